@@ -1,0 +1,86 @@
+"""The small interface every generation engine implements.
+
+An engine turns one prompt (token ids, exactly as rendered by the producer) into one
+completion. The SGLang HTTP client, the in-process SGLang engine and the local
+transformers engine are three implementations; the Celery task that drives them only
+sees this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to complete. `rid` is unique per prompt and attempt (SGLang's request id)."""
+
+    rid: str
+    prompt_ids: list[int]
+    # SGLang sampling_params, already merged from the job spec; always has max_new_tokens.
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    output_ids: list[int]
+    text: str
+    # SGLang's shape: {"type": "stop", "matched": id|str} | {"type": "length", "length": n}
+    # | {"type": "abort", "message": ..., "status_code": ...}
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    latency_s: float = 0.0
+    # Which server (URL) or device produced it; for provenance and load accounting.
+    server: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """Base class of the errors an engine raises."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot serve right now (down, overloaded, timed out): retry later.
+
+    Never a reason to dead-letter a prompt (DESIGN.md invariant 6).
+    """
+
+
+class PromptRejected(EngineError):
+    """A healthy engine refused this prompt (HTTP 400: too long, invalid request).
+
+    Retrying will not help: the prompt goes to the `generate` dead-letter queue with
+    `message`.
+    """
+
+    def __init__(self, message: str, *, server: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.server = server
+
+
+class Engine(Protocol):
+    """What the generate stage needs from an inference backend."""
+
+    name: str
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Complete one prompt. Raises EngineUnavailable or PromptRejected."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the engine can take work now."""
+        ...
+
+    def capacity(self) -> int:
+        """How many requests this engine wants in flight to stay fully busy."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Per-server health and in-flight counts, for heartbeats and status."""
+        ...
+
+    async def close(self) -> None: ...
