@@ -1,0 +1,65 @@
+"""The Celery app every regen process shares, and the broker settings that keep delivery safe.
+
+All processes on one broker must agree on the visibility timeout (kombu restores an
+unacked message after it, even while the message is still being worked on), so it is
+read from one place: REGEN_VISIBILITY_TIMEOUT, else common.defaults.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from common import defaults
+from common.connection import is_tls, tls_options
+
+GENERATE_TASK = "regen.generate_chunk"
+
+
+def visibility_timeout() -> int:
+    return int(os.environ.get("REGEN_VISIBILITY_TIMEOUT", defaults.VISIBILITY_TIMEOUT_S))
+
+
+def broker_transport_options() -> dict[str, object]:
+    interval = float(os.environ.get("REGEN_RESTORE_INTERVAL", defaults.UNACKED_RESTORE_INTERVAL_S))
+    throttle = int(os.environ.get("REGEN_RESTORE_THROTTLE", defaults.UNACKED_RESTORE_THROTTLE))
+    return {
+        "visibility_timeout": visibility_timeout(),
+        "unacked_restore_interval": interval,
+        "unacked_restore_throttle": throttle,
+        # Fail fast on a half-open connection instead of hanging a publish forever.
+        "socket_timeout": 60,
+        "socket_connect_timeout": 10,
+        "health_check_interval": 30,
+    }
+
+
+def make_app(redis_url: str) -> Celery:
+    app = Celery("regen", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        # JSON only: a pickle in Redis would run code on every worker (invariant 7).
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_ignore_result=True,
+        result_backend=None,
+        # Ack after the results are handed off; a killed worker's chunk comes back.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        # After a Redis blip kombu redelivers unacked chunks; cancel ours rather than run
+        # the same chunk twice in parallel.
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_transport_options=broker_transport_options(),
+        # Events on, so Flower and `celery events` see the workers.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+    )
+    if is_tls(redis_url):
+        app.conf.broker_use_ssl = tls_options(redis_url)
+    return app

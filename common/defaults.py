@@ -1,0 +1,49 @@
+"""Every default regen uses, documented once (like rq's defaults.py).
+
+CLI options fall back to a `REGEN_*` environment variable, then to the value here.
+"""
+
+from __future__ import annotations
+
+# --- where state lives -------------------------------------------------------------
+# State folder for the embedded Redis, caches and logs (env: REGEN_HOME).
+HOME = ".regen"
+# Port of the embedded Redis on 127.0.0.1 (env: REGEN_EMBEDDED_PORT). Not 6379, so it
+# never collides with a Redis the machine already runs.
+EMBEDDED_REDIS_PORT = 6399
+# Where the tokenizer worker writes shards (env: REGEN_OUT).
+OUT_DIR = "regen-out"
+
+# --- the job -----------------------------------------------------------------------
+# Prompts per chunk, the unit of work on the generate queue. 64 keeps a chunk's run
+# time in minutes on a busy server while a 900K-prompt job stays at ~14K chunks.
+CHUNK_SIZE = 64
+# SGLang's own default is 128 tokens, which silently truncates answers: regen always
+# sends an explicit value.
+MAX_NEW_TOKENS = 4096
+# Producer backpressure: enqueueing blocks while the job has more than this many chunks
+# waiting (queued, plus results not yet written to shards, in chunk units).
+HIGH_WATER_CHUNKS = 256
+
+# --- delivery ----------------------------------------------------------------------
+# kombu restores an unacked message after this many seconds, even while it still runs.
+# It must exceed the longest chunk and be the same in every process (env:
+# REGEN_VISIBILITY_TIMEOUT).
+VISIBILITY_TIMEOUT_S = 4 * 3600
+# How often kombu sweeps for unacked messages past the visibility timeout
+# (interval x throttle seconds; env: REGEN_RESTORE_INTERVAL, tests make it small).
+UNACKED_RESTORE_INTERVAL_S = 10
+UNACKED_RESTORE_THROTTLE = 10
+# A chunk delivered more times than this (its worker died each time) is dead-lettered.
+MAX_CHUNK_ATTEMPTS = 3
+
+# --- generation --------------------------------------------------------------------
+# Requests kept in flight per SGLang server; peers use 64 to 512.
+MAX_INFLIGHT_PER_SERVER = 256
+# Per-request timeout: long, because a 32K-token thinking answer can take many minutes.
+REQUEST_TIMEOUT_S = 3600.0
+
+# --- heartbeats --------------------------------------------------------------------
+HEARTBEAT_INTERVAL_S = 10.0
+# A worker whose last heartbeat is older than this is reported stale.
+HEARTBEAT_STALE_S = 60.0

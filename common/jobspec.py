@@ -1,0 +1,138 @@
+"""The job spec: what a job regenerates with, stored once in Redis and read by every worker.
+
+A worker needs only a Redis URL and its engine to join a job; everything that decides
+what the target model sees (model, tokenizer, sampling, chat-template kwargs) lives here,
+and enqueueing more data into a job with a different spec is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import orjson
+import redis
+
+from common import keys
+
+SPEC_VERSION = 1
+
+# SGLang sampling_params regen lets a job set (DESIGN.md "SGLang facts").
+SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "skip_special_tokens", "no_stop_trim", "ignore_eos", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "seed",
+})  # fmt: skip
+
+
+class JobSpecError(ValueError):
+    """A spec that cannot be used, with the reason."""
+
+
+class JobSpecMismatch(JobSpecError):
+    """Enqueueing into an existing job with different settings."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: str
+    # Where the tokenizer comes from (defaults to the model) and whether it runs remote code.
+    tokenizer: str
+    trust_remote_code: bool
+    # Detected chat family ("kimi", "qwen3", "chatml", "generic") and a fingerprint of the
+    # tokenizer, so workers can refuse a tokenizer that would tokenize differently.
+    chat_family: str
+    tokenizer_fingerprint: str
+    # SGLang sampling_params sent with every request; always holds max_new_tokens.
+    sampling: dict[str, Any]
+    chat_template_kwargs: dict[str, Any]
+    system_prompt: str | None
+    chunk_size: int
+    max_prompt_tokens: int | None
+    context_length: int | None
+    queue: str
+    version: int = SPEC_VERSION
+    created: float = field(default_factory=time.time, compare=False)
+
+    def __post_init__(self) -> None:
+        keys.check_job_name(self.name)
+        unknown = set(self.sampling) - SAMPLING_KEYS
+        if unknown:
+            raise JobSpecError(
+                f"unknown sampling parameter(s) {sorted(unknown)}; "
+                f"known: {', '.join(sorted(SAMPLING_KEYS))}"
+            )
+        max_new = self.sampling.get("max_new_tokens")
+        if not isinstance(max_new, int) or max_new < 1:
+            raise JobSpecError("sampling.max_new_tokens must be a positive integer")
+        if self.chunk_size < 1:
+            raise JobSpecError("chunk_size must be at least 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise JobSpecError("max_prompt_tokens must be positive")
+        if self.context_length is not None and max_new >= self.context_length:
+            raise JobSpecError(
+                f"max_new_tokens {max_new} leaves no room for a prompt in the model's "
+                f"context of {self.context_length} tokens"
+            )
+
+    def prompt_token_limit(self) -> int | None:
+        """The longest prompt the job accepts: the explicit limit and the context room."""
+        limits = []
+        if self.max_prompt_tokens is not None:
+            limits.append(self.max_prompt_tokens)
+        if self.context_length is not None:
+            limits.append(self.context_length - self.sampling["max_new_tokens"])
+        return min(limits) if limits else None
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> JobSpec:
+        data = orjson.loads(raw)
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise JobSpecError(f"job spec has unknown fields {sorted(unknown)}: newer regen?")
+        return cls(**data)
+
+    def differences(self, other: JobSpec) -> list[str]:
+        """Human-readable list of the settings that differ (creation time ignored)."""
+        out = []
+        for f in fields(self):
+            if not f.compare:
+                continue
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                out.append(f"{f.name}: stored {theirs!r}, given {mine!r}")
+        return out
+
+
+def save(r: redis.Redis, spec: JobSpec) -> JobSpec:
+    """Store a new job's spec, or check it against the stored one. Returns the stored spec."""
+    key = keys.job_spec(spec.name)
+    if r.set(key, spec.to_json(), nx=True):
+        r.sadd(keys.JOBS, spec.name)
+        return spec
+    stored = load(r, spec.name)
+    diff = spec.differences(stored)
+    if diff:
+        raise JobSpecMismatch(
+            f"job {spec.name!r} already exists with different settings:\n  "
+            + "\n  ".join(diff)
+            + "\nUse the same settings to extend it, or a new --job name."
+        )
+    return stored
+
+
+def load(r: redis.Redis, job: str) -> JobSpec:
+    raw = r.get(keys.job_spec(job))
+    if raw is None:
+        raise JobSpecError(f"no job named {job!r} in this Redis")
+    return JobSpec.from_json(raw)
+
+
+def list_jobs(r: redis.Redis) -> list[str]:
+    return sorted(m.decode() for m in r.smembers(keys.JOBS))

@@ -1,0 +1,109 @@
+"""Every Redis key and queue name regen uses, built in one place (like arq's constants).
+
+Per-job keys hold ids and small records only; prompt payloads exist in Redis only while
+their chunk is waiting or in flight (DESIGN.md invariant 5).
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "regen"
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# Set of job names.
+JOBS = f"{PREFIX}:jobs"
+# Hash worker name -> heartbeat JSON.
+WORKERS = f"{PREFIX}:workers"
+# Where the embedded Redis and the tokenizer workers say they are.
+TOKENIZE_OUTPUTS = f"{PREFIX}:tokenize:outputs"
+
+STAGES = ("input", "generate", "tokenize")
+
+
+def check_job_name(job: str) -> str:
+    if not JOB_NAME_RE.match(job):
+        raise ValueError(
+            f"invalid job name {job!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def _job(job: str, suffix: str) -> str:
+    return f"{PREFIX}:job:{job}:{suffix}"
+
+
+def job_spec(job: str) -> str:
+    """String: the job spec as JSON."""
+    return _job(job, "spec")
+
+
+def job_ids(job: str) -> str:
+    """Set: every prompt id ever enqueued in the job (ids only, ~60 bytes each)."""
+    return _job(job, "ids")
+
+
+def job_cursors(job: str) -> str:
+    """Hash: dataset file fingerprint -> rows already resolved (resume point)."""
+    return _job(job, "cursors")
+
+
+def job_counters(job: str) -> str:
+    """Hash: producer and stage counters (rows_read, enqueued, duplicates, ...)."""
+    return _job(job, "counters")
+
+
+def job_chunks(job: str) -> str:
+    """Hash: chunk id -> number of prompts, for every chunk ever published."""
+    return _job(job, "chunks")
+
+
+def chunk_attempts(job: str) -> str:
+    """Hash: chunk id -> JSON list of delivery attempts (worker, host, time)."""
+    return _job(job, "attempts")
+
+
+def chunk_generated(job: str, chunk_id: str) -> str:
+    """Set: prompt ids of a chunk whose results are already handed to the tokenize stage."""
+    return _job(job, f"chunk:{chunk_id}:generated")
+
+
+def results_stream(job: str) -> str:
+    """Stream: one entry per generated result, consumed by the tokenize stage."""
+    return _job(job, "results")
+
+
+def committed(job: str) -> str:
+    """Hash: prompt id -> shard name that holds its record (the exactly-once index)."""
+    return _job(job, "committed")
+
+
+def pending_shards(job: str) -> str:
+    """Hash: shard name -> JSON of a shard being written (claims not yet final)."""
+    return _job(job, "shards:pending")
+
+
+def shards(job: str) -> str:
+    """Hash: shard name -> JSON manifest row of a shard in place."""
+    return _job(job, "shards")
+
+
+def shard_seq(job: str) -> str:
+    """Counter: the next shard number of the job."""
+    return _job(job, "shards:seq")
+
+
+def dlq(job: str, stage: str) -> str:
+    """Hash: entry id -> JSON dead-letter entry of one stage."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return _job(job, f"dlq:{stage}")
+
+
+def generate_queue(job: str) -> str:
+    """Default Celery queue (a Redis list of the same name) of a job's chunks."""
+    return f"{PREFIX}.generate.{job}"
+
+
+TOKENIZE_GROUP = "tokenize"

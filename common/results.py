@@ -1,0 +1,43 @@
+"""A generated result: what the generate stage hands to the tokenize stage.
+
+One entry per prompt on the job's results stream (a Redis Stream, consumed by the
+tokenize stage with a consumer group so each entry is acknowledged only after its record
+is in a shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+FIELD = b"r"
+
+
+@dataclass(frozen=True)
+class GeneratedResult:
+    id: str
+    job: str
+    chunk: str
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    source: dict[str, Any]
+    # Exactly as the engine returned them; the record is built from these, never from text.
+    output_ids: list[int]
+    text: str
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    latency_s: float
+    server: str
+    worker: str
+    attempt: int
+
+    def to_fields(self) -> dict[bytes, bytes]:
+        return {FIELD: orjson.dumps(asdict(self))}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> GeneratedResult:
+        return cls(**orjson.loads(fields[FIELD]))

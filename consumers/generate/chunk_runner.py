@@ -1,0 +1,213 @@
+"""Run one chunk: generate every prompt, hand each result to the tokenize stage, and
+dead-letter what a healthy engine refuses.
+
+Each result is handed off (XADD on the job's results stream) in the same transaction
+that marks the prompt generated for this chunk, so a redelivered chunk (its worker died,
+or its visibility timeout passed) skips the prompts already handed off. The Celery task
+acknowledges the chunk only when this returns (acks_late), i.e. after every prompt is in
+the results stream or the DLQ (DESIGN.md invariant 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass, field
+
+import orjson
+import redis
+
+from common import defaults, dlq, jobspec, keys
+from common.chunk import Chunk, ChunkPrompt
+from common.results import GeneratedResult
+from consumers.generate.engine import (
+    EngineUnavailable,
+    GenerateRequest,
+    GenerateResult,
+    PromptRejected,
+)
+from consumers.generate.runner import EngineRunner
+
+log = logging.getLogger("regen.generate")
+
+# Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
+# acknowledgement still finds which prompts are done; then it expires (flat memory).
+CHUNK_STATE_TTL_S = 2 * defaults.VISIBILITY_TIMEOUT_S
+
+
+@dataclass
+class ChunkContext:
+    redis: redis.Redis
+    runner: EngineRunner
+    worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    max_attempts: int = defaults.MAX_CHUNK_ATTEMPTS
+    _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
+
+    def spec(self, job: str) -> jobspec.JobSpec:
+        # A job's spec never changes once stored, so caching it for the process is safe.
+        if job not in self._specs:
+            self._specs[job] = jobspec.load(self.redis, job)
+        return self._specs[job]
+
+
+@dataclass(frozen=True)
+class ChunkOutcome:
+    generated: int
+    skipped: int
+    dead_lettered: int
+
+
+def _attempts_key(chunk: Chunk) -> str:
+    return keys.chunk_attempts(chunk.job) + ":" + chunk.chunk_id
+
+
+def start_attempt(ctx: ChunkContext, chunk: Chunk) -> tuple[int, list[dict[str, object]]]:
+    """Record this delivery; returns (its index, every delivery so far).
+
+    An attempt stays "started" unless it ends cleanly, so started attempts other than
+    this one are deliveries whose worker died (or that still run elsewhere).
+    """
+    entry = {"worker": ctx.worker, "time": time.time(), "status": "started"}
+    key = _attempts_key(chunk)
+    pipe = ctx.redis.pipeline()
+    pipe.rpush(key, orjson.dumps(entry))
+    pipe.expire(key, CHUNK_STATE_TTL_S)
+    pipe.lrange(key, 0, -1)
+    length, _, history = pipe.execute()
+    return length - 1, [orjson.loads(h) for h in history]
+
+
+def end_attempt(
+    ctx: ChunkContext, chunk: Chunk, index: int, status: str, error: str | None = None
+) -> None:
+    entry = {"worker": ctx.worker, "time": time.time(), "status": status, "error": error}
+    ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))
+
+
+def _dead_letter_all(
+    ctx: ChunkContext, chunk: Chunk, prompts: list[ChunkPrompt], history: list[dict[str, object]]
+) -> None:
+    pipe = ctx.redis.pipeline()
+    for prompt in prompts:
+        dlq.put(pipe, dlq.DeadLetter(
+            entry_id=prompt.id, job=chunk.job, stage="generate", reason="poison_chunk",
+            message=(f"chunk {chunk.chunk_id} was delivered {len(history)} times without "
+                     "finishing (its worker died, or it failed: see history)"),
+            prompt_id=prompt.id, source=prompt.source, attempts=len(history),
+            payload={"chunk": chunk.chunk_id, "prompt_ids": prompt.prompt_ids,
+                     "messages": prompt.messages},
+            history=history, worker=ctx.worker,
+        ))  # fmt: skip
+        pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
+    pipe.execute()
+
+
+async def _generate_with_retry(runner: EngineRunner, request: GenerateRequest) -> GenerateResult:
+    """Retry while the engine is unavailable: a dead server is not a bad prompt."""
+    delay = 1.0
+    while True:
+        try:
+            return await runner.engine.generate(request)
+        except EngineUnavailable as exc:
+            log.warning("engine unavailable for %s (%s); retrying in ~%.0f s",
+                        request.rid, exc, delay)  # fmt: skip
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, 60.0)
+
+
+def _hand_off(
+    ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, result: GenerateResult, attempt: int
+) -> None:
+    generated = GeneratedResult(
+        id=prompt.id, job=chunk.job, chunk=chunk.chunk_id, prompt_ids=prompt.prompt_ids,
+        messages=prompt.messages, source=prompt.source, output_ids=list(result.output_ids),
+        text=result.text, finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+        cached_tokens=result.cached_tokens, latency_s=result.latency_s,
+        server=result.server, worker=ctx.worker, attempt=attempt,
+    )  # fmt: skip
+    pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
+    pipe.xadd(keys.results_stream(chunk.job), generated.to_fields())
+    pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
+    pipe.expire(keys.chunk_generated(chunk.job, chunk.chunk_id), CHUNK_STATE_TTL_S)
+    pipe.execute()
+
+
+def _reject(
+    ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected, attempt: int
+) -> None:
+    pipe = ctx.redis.pipeline()
+    dlq.put(pipe, dlq.DeadLetter(
+        entry_id=prompt.id, job=chunk.job, stage="generate", reason="rejected_by_server",
+        message=exc.message, prompt_id=prompt.id, source=prompt.source, attempts=attempt + 1,
+        payload={"chunk": chunk.chunk_id, "prompt_ids": prompt.prompt_ids,
+                 "messages": prompt.messages, "server": exc.server},
+        worker=ctx.worker,
+    ))  # fmt: skip
+    pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
+    pipe.expire(keys.chunk_generated(chunk.job, chunk.chunk_id), CHUNK_STATE_TTL_S)
+    pipe.execute()
+
+
+def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
+    """Raises on an unexpected error, after marking the attempt failed (the task then
+    gives the chunk back; past max_attempts failed or dead deliveries it is dead-lettered).
+    """
+    attempt, history = start_attempt(ctx, chunk)
+    done = {m.decode() for m in ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id))}
+    todo = [p for p in chunk.prompts if p.id not in done]
+    # "started" entries other than this one are deliveries whose worker died.
+    failed = [
+        h for i, h in enumerate(history) if i != attempt and h["status"] in ("started", "failed")
+    ]
+    if len(failed) >= ctx.max_attempts:
+        log.error("chunk %s: %d deliveries died or failed; dead-lettering its %d open prompts",
+                  chunk.chunk_id, len(failed), len(todo))  # fmt: skip
+        _dead_letter_all(ctx, chunk, todo, history)
+        end_attempt(ctx, chunk, attempt, "dead_lettered")
+        return ChunkOutcome(0, len(done), len(todo))
+    try:
+        return _generate_all(ctx, chunk, todo, attempt, skipped=len(done))
+    except Exception as exc:
+        end_attempt(ctx, chunk, attempt, "failed", error=repr(exc))
+        raise
+
+
+def _generate_all(
+    ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int, skipped: int
+) -> ChunkOutcome:
+    spec = ctx.spec(chunk.job)
+
+    futures: dict[Future[GenerateResult], ChunkPrompt] = {}
+    for prompt in todo:
+        request = GenerateRequest(
+            rid=f"{chunk.chunk_id}-{prompt.id}-{attempt}",
+            prompt_ids=prompt.prompt_ids,
+            sampling=dict(spec.sampling),
+        )
+        futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request))] = prompt
+    generated = rejected = 0
+    try:
+        for future in as_completed(futures):
+            prompt = futures[future]
+            try:
+                result = future.result()
+            except PromptRejected as exc:
+                _reject(ctx, chunk, prompt, exc, attempt)
+                rejected += 1
+                continue
+            _hand_off(ctx, chunk, prompt, result, attempt)
+            generated += 1
+    except BaseException:
+        # Leaving early (shutdown, lost Redis): stop the prompts still running so the
+        # engine's capacity goes to the next chunk; the chunk itself comes back unacked.
+        for future in futures:
+            future.cancel()
+        raise
+    end_attempt(ctx, chunk, attempt, "done")
+    return ChunkOutcome(generated, skipped, rejected)

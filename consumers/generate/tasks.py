@@ -1,0 +1,52 @@
+"""The Celery task of the generate stage: a thin shell around chunk_runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import Reject
+
+from common import dlq
+from common.celery_app import GENERATE_TASK
+from common.chunk import Chunk
+from consumers.generate.chunk_runner import ChunkContext, run_chunk
+
+log = logging.getLogger("regen.generate")
+
+REQUEUE_PAUSE_S = 2.0
+
+
+def register(app: Celery, ctx: ChunkContext) -> None:
+    """Bind the generate task to `app`, running chunks in `ctx` (this process's engine)."""
+
+    @app.task(name=GENERATE_TASK, bind=True, acks_late=True, ignore_result=True)
+    def generate_chunk(self: Any, payload: dict[str, Any]) -> dict[str, int]:
+        try:
+            chunk = Chunk.from_payload(payload)
+        except ValueError as exc:
+            # No prompt can be identified, so the whole message is the dead letter.
+            job = payload.get("job", "unknown") if isinstance(payload, dict) else "unknown"
+            dlq.put(ctx.redis, dlq.DeadLetter(
+                entry_id=f"task:{self.request.id}", job=str(job), stage="generate",
+                reason="malformed_chunk", message=str(exc), payload={"raw": payload},
+                worker=ctx.worker,
+            ))  # fmt: skip
+            log.error("malformed chunk %s dead-lettered: %s", self.request.id, exc)
+            return {"generated": 0, "skipped": 0, "dead_lettered": 1}
+        try:
+            outcome = run_chunk(ctx, chunk)
+        except Exception as exc:
+            # Give the chunk back rather than let Celery ack a failure (acks_late acks
+            # failed tasks); run_chunk's attempt cap turns a chunk that always fails into
+            # dead letters. The pause keeps a persistent error from spinning.
+            log.exception("chunk %s failed; returning it to the queue", chunk.chunk_id)
+            time.sleep(REQUEUE_PAUSE_S)
+            raise Reject(exc, requeue=True) from exc
+        log.info("chunk %s of %s: %d generated, %d already done, %d dead-lettered",
+                 chunk.chunk_id, chunk.job, outcome.generated, outcome.skipped,
+                 outcome.dead_lettered)  # fmt: skip
+        return {"generated": outcome.generated, "skipped": outcome.skipped,
+                "dead_lettered": outcome.dead_lettered}  # fmt: skip

@@ -1,0 +1,147 @@
+"""Publish a chunk as a Celery task and record its prompt ids in one atomic step.
+
+A producer killed at any instant must neither lose a prompt (ids recorded, chunk never
+queued) nor queue a chunk twice (queued, ids not recorded, so a rerun queues it again).
+Celery publishes outside any transaction, so regen lets Celery and kombu build the exact
+message they would send (headers, properties, priority list key) and captures the Redis
+command instead of running it; a Lua script then checks the ids, pushes the message,
+records the ids and advances the resume cursors, all or nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery
+
+from common import keys
+from common.celery_app import GENERATE_TASK
+
+# KEYS: ids set, chunks hash, cursors hash, counters hash, then one key per LPUSH.
+# ARGV: chunk id, number of ids, number of cursor pairs, ids..., cursor pairs..., messages...
+# Returns {} when published, {"chunk"} when the chunk was already published, or the ids
+# that another producer enqueued meanwhile (the caller rebuilds the chunk without them).
+_PUBLISH_LUA = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {'chunk'} end
+local n_ids = tonumber(ARGV[2])
+local n_cur = tonumber(ARGV[3])
+local present = {}
+for i = 4, 3 + n_ids do
+  if redis.call('SISMEMBER', KEYS[1], ARGV[i]) == 1 then table.insert(present, ARGV[i]) end
+end
+if #present > 0 then return present end
+for i = 4, 3 + n_ids do redis.call('SADD', KEYS[1], ARGV[i]) end
+local c = 4 + n_ids
+for i = 1, n_cur do
+  redis.call('HSET', KEYS[3], ARGV[c], ARGV[c + 1])
+  c = c + 2
+end
+for k = 5, #KEYS do
+  redis.call('LPUSH', KEYS[k], ARGV[c])
+  c = c + 1
+end
+redis.call('HSET', KEYS[2], ARGV[1], n_ids)
+redis.call('HINCRBY', KEYS[4], 'enqueued', n_ids)
+return {}
+"""
+
+
+class _CapturedPublish:
+    """Takes the place of kombu's Redis publish batch and keeps its commands."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self.commands: list[tuple[str, tuple[Any, ...]]] = []
+
+    def publish(self, message: Any, **kwargs: Any) -> Any:
+        # kombu's own PublishBatch routes through basic_publish the same way, so the
+        # message gets exactly the delivery tag, body encoding and queue key of a send.
+        return self.channel.basic_publish(message, _publish_batch=self, **kwargs)
+
+    def add(self, name: str, *args: Any) -> None:
+        self.commands.append((name, args))
+
+    def flush(self) -> None:
+        """Nothing to send: the caller runs the commands in its own transaction."""
+
+    def discard(self) -> None:
+        self.commands.clear()
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    published: bool
+    # Ids someone else enqueued first; non-empty only when published is False.
+    already_enqueued: list[str]
+
+
+class ChunkPublisher:
+    """Publishes chunks of one job onto its generate queue."""
+
+    def __init__(self, app: Celery, r: redis.Redis, job: str, queue: str) -> None:
+        self._app = app
+        self._r = r
+        self._job = job
+        self._queue = queue
+        self._script = r.register_script(_PUBLISH_LUA)
+        self._connection = app.connection_for_write()
+        self._producer = app.amqp.Producer(self._connection)
+        self._capture: _CapturedPublish | None = None
+        channel = self._producer.channel
+        channel.create_publish_batch = self._new_capture
+
+    def _new_capture(self, max_size: int) -> _CapturedPublish:
+        self._capture = _CapturedPublish(self._producer.channel)
+        return self._capture
+
+    def _render(
+        self, chunk_id: str, payload: dict[str, Any]
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[str, tuple[Any, ...]]]]:
+        """The LPUSHes of the task message, and any other commands (Celery's task-sent
+        event, a fanout PUBLISH) to run once the chunk is in."""
+        with self._producer.batch():
+            self._app.send_task(
+                GENERATE_TASK, args=[payload], task_id=chunk_id, queue=self._queue,
+                producer=self._producer,
+            )  # fmt: skip
+        assert self._capture is not None
+        commands, self._capture = self._capture.commands, None
+        pushes = [(args[0], args[1]) for name, args in commands if name == "lpush"]
+        if not pushes:
+            raise RuntimeError(f"kombu produced no LPUSH for a chunk publish: {commands}")
+        return pushes, [(name, args) for name, args in commands if name != "lpush"]
+
+    def publish(
+        self,
+        chunk_id: str,
+        payload: dict[str, Any],
+        prompt_ids: list[str],
+        cursors: dict[str, int],
+    ) -> PublishOutcome:
+        pushes, after = self._render(chunk_id, payload)
+        job = self._job
+        lua_keys = [
+            keys.job_ids(job), keys.job_chunks(job), keys.job_cursors(job),
+            keys.job_counters(job), *(key for key, _ in pushes),
+        ]  # fmt: skip
+        cursor_args: list[Any] = []
+        for name, value in cursors.items():
+            cursor_args += [name, value]
+        argv = [chunk_id, len(prompt_ids), len(cursors), *prompt_ids, *cursor_args]
+        argv += [message for _, message in pushes]
+        result = [x.decode() for x in self._script(keys=lua_keys, args=argv)]
+        if not result:
+            for name, args in after:
+                self._r.execute_command(name, *args)
+            return PublishOutcome(True, [])
+        if result == ["chunk"]:
+            return PublishOutcome(False, [])
+        return PublishOutcome(False, result)
+
+    def close(self) -> None:
+        self._connection.release()

@@ -1,0 +1,70 @@
+"""A real redis-server for tests: started on a free port in a temporary folder."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from common.embedded_redis import find_redis_server, redis_config
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    data_dir: Path
+    port: int
+    extra_args: tuple[str, ...] = ()
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [find_redis_server(), *redis_config(self.data_dir, self.port), *self.extra_args]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("test redis-server did not start") from None
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+            self.process = None
+
+
+@contextlib.contextmanager
+def running_redis(data_dir: Path, *extra_args: str) -> Iterator[RedisServer]:
+    server = RedisServer(data_dir=data_dir, port=free_port(), extra_args=extra_args).start()
+    try:
+        yield server
+    finally:
+        server.kill()
