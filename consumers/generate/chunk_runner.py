@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import redis
 
 from common import defaults, dlq, jobspec, keys
 from common.chunk import Chunk, ChunkPrompt
+from common.heartbeat import RateMeter
 from common.results import GeneratedResult
 from consumers.generate.engine import (
     EngineUnavailable,
@@ -46,7 +48,16 @@ class ChunkContext:
     runner: EngineRunner
     worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     max_attempts: int = defaults.MAX_CHUNK_ATTEMPTS
+    # Output tokens and prompts handed off, for heartbeats and metrics.
+    tokens: RateMeter = field(default_factory=RateMeter)
+    prompts: RateMeter = field(default_factory=RateMeter)
+    inflight: int = 0
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count_inflight(self, delta: int) -> None:
+        with self._lock:
+            self.inflight += delta
 
     def spec(self, job: str) -> jobspec.JobSpec:
         # A job's spec never changes once stored, so caching it for the process is safe.
@@ -136,6 +147,8 @@ def _hand_off(
     pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
     pipe.expire(keys.chunk_generated(chunk.job, chunk.chunk_id), CHUNK_STATE_TTL_S)
     pipe.execute()
+    ctx.tokens.add(result.completion_tokens)
+    ctx.prompts.add()
 
 
 def _reject(
@@ -191,10 +204,12 @@ def _generate_all(
             sampling=dict(spec.sampling),
         )
         futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request))] = prompt
+    ctx.count_inflight(len(futures))
     generated = rejected = 0
     try:
         for future in as_completed(futures):
             prompt = futures[future]
+            ctx.count_inflight(-1)
             try:
                 result = future.result()
             except PromptRejected as exc:
@@ -207,7 +222,8 @@ def _generate_all(
         # Leaving early (shutdown, lost Redis): stop the prompts still running so the
         # engine's capacity goes to the next chunk; the chunk itself comes back unacked.
         for future in futures:
-            future.cancel()
+            if future.cancel():
+                ctx.count_inflight(-1)
         raise
     end_attempt(ctx, chunk, attempt, "done")
     return ChunkOutcome(generated, skipped, rejected)

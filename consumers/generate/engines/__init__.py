@@ -1,0 +1,68 @@
+"""Engine factory: `--engine NAME` to an Engine instance, importing heavy parts lazily.
+
+Besides the built-in names, `--engine package.module:factory` loads a custom engine:
+`factory(options: EngineOptions) -> Engine`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+from common import defaults
+from consumers.generate.engine import Engine
+
+BUILTIN = ("sglang", "sglang-engine", "local")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    # SGLang server URLs (engine "sglang").
+    servers: list[str] = field(default_factory=list)
+    # Model for in-process engines ("local", "sglang-engine"); default: the job's model.
+    model: str | None = None
+    max_inflight: int = defaults.MAX_INFLIGHT_PER_SERVER
+    request_timeout_s: float = defaults.REQUEST_TIMEOUT_S
+    trust_remote_code: bool = False
+    device: str = "auto"
+    tp_size: int = 1
+
+
+def make_engine(name: str, options: EngineOptions) -> Engine:
+    if name == "sglang":
+        if not options.servers:
+            raise ValueError("--engine sglang needs at least one --server URL")
+        from consumers.generate.engines.sglang_http import SGLangHTTPEngine
+
+        return SGLangHTTPEngine(
+            options.servers,
+            max_inflight_per_server=options.max_inflight,
+            request_timeout_s=options.request_timeout_s,
+        )
+    if name == "local":
+        if options.model is None:
+            raise ValueError("--engine local needs a model (the job's, or --model)")
+        from consumers.generate.engines.local import LocalEngine
+
+        return LocalEngine(
+            options.model,
+            device=options.device,
+            max_batch_size=options.max_inflight,
+            trust_remote_code=options.trust_remote_code,
+        )
+    if name == "sglang-engine":
+        if options.model is None:
+            raise ValueError("--engine sglang-engine needs a model (the job's, or --model)")
+        from consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
+
+        return SGLangInProcessEngine(
+            options.model, tp_size=options.tp_size, trust_remote_code=options.trust_remote_code
+        )
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        engine: Engine = factory(options)
+        return engine
+    raise ValueError(
+        f"unknown engine {name!r}: use one of {', '.join(BUILTIN)} or package.module:factory"
+    )

@@ -1,0 +1,99 @@
+"""Worker heartbeats: each worker writes a small JSON record that `regen status` reads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import redis
+
+from common import defaults, keys
+
+
+class RateMeter:
+    """Counts events (tokens, prompts) and reports their rate over a recent window."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self._window_s = window_s
+        self._events: deque[tuple[float, float]] = deque()
+        self._total = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, amount: float = 1.0) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, amount))
+            self._total += amount
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self._window_s:
+            self._events.popleft()
+
+    @property
+    def total(self) -> float:
+        return self._total
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            if not self._events:
+                return 0.0
+            span = max(now - self._events[0][0], 1.0)
+            return sum(amount for _, amount in self._events) / span
+
+
+def worker_name(kind: str) -> str:
+    return f"{kind}@{socket.gethostname()}:{os.getpid()}"
+
+
+class Heartbeat(threading.Thread):
+    """Writes `snapshot()` under the worker's name every interval until stopped."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        name: str,
+        snapshot: Callable[[], dict[str, Any]],
+        interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        super().__init__(name="regen-heartbeat", daemon=True)
+        self._r = r
+        self._name = name
+        self._snapshot = snapshot
+        self._interval_s = interval_s
+        self._stop_event = threading.Event()
+        self.started_at = time.time()
+
+    def beat(self) -> None:
+        record = {
+            "name": self._name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": self.started_at,
+            "last_seen": time.time(),
+            **self._snapshot(),
+        }
+        self._r.hset(keys.WORKERS, self._name, orjson.dumps(record))
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self.beat()
+            except Exception as exc:  # a heartbeat error must never stop the worker
+                print(f"regen: heartbeat failed: {exc!r}")
+            self._stop_event.wait(self._interval_s)
+
+    def stop(self) -> None:
+        """Stop beating and remove the record: a cleanly stopped worker is not stale."""
+        self._stop_event.set()
+        with contextlib.suppress(redis.RedisError):
+            self._r.hdel(keys.WORKERS, self._name)

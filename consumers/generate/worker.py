@@ -1,0 +1,204 @@
+"""`regen worker generate`: a real Celery worker that drives one engine.
+
+One worker per GPU host (or per group of SGLang servers). It runs chunks on a thread pool
+sized so the engine stays at its in-flight target across chunk boundaries, follows new
+jobs as they are enqueued, and stops consuming while its engine is unhealthy (a dead
+server is not a bad prompt: its chunks wait in the queue for a healthy worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery, bootsteps
+
+from common import connection, jobspec
+from common.celery_app import make_app
+from common.heartbeat import Heartbeat, worker_name
+from consumers.generate.chunk_runner import ChunkContext
+from consumers.generate.engines import EngineOptions, make_engine
+from consumers.generate.runner import EngineRunner
+from consumers.generate.tasks import register
+
+log = logging.getLogger("regen.generate")
+
+WATCH_INTERVAL_S = 2.0
+
+
+@dataclass
+class WorkerOptions:
+    redis_url: str
+    engine: str
+    engine_options: EngineOptions
+    jobs: list[str] = field(default_factory=list)
+    queues: list[str] = field(default_factory=list)
+    # Chunks run at once; 0 = derived from the engine's capacity and the chunk size.
+    concurrency: int = 0
+    max_attempts: int = 3
+    loglevel: str = "INFO"
+    metrics_port: int | None = None
+
+
+class QueueState:
+    """What the worker should consume, computed off the event loop by the watcher."""
+
+    def __init__(self, queues: set[str]) -> None:
+        self._lock = threading.Lock()
+        self._queues = set(queues)
+        self.healthy = True
+
+    def set_queues(self, queues: set[str]) -> None:
+        with self._lock:
+            self._queues = set(queues)
+
+    def wanted(self) -> set[str]:
+        with self._lock:
+            return set(self._queues) if self.healthy else set()
+
+
+def chunks_in_flight(capacity: int, chunk_size: int) -> int:
+    """Chunks to hold so `capacity` prompts stay in flight while chunk tails finish.
+
+    A chunk's prompts finish over time; the slowest holds the chunk open while its freed
+    slots go to the next chunks. Twice the chunks that fill the capacity keeps the engine
+    busy through those tails (bench/generate_utilization.py measures it).
+    """
+    return max(2, 2 * math.ceil(capacity / max(chunk_size, 1)))
+
+
+def make_queue_gate(state: QueueState) -> type[bootsteps.StartStopStep]:
+    class QueueGate(bootsteps.StartStopStep):
+        """Adds and cancels queues on the consumer's own loop (kombu is not thread-safe)."""
+
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def start(self, consumer: Any) -> None:
+            consumer.timer.call_repeatedly(WATCH_INTERVAL_S / 2, self.apply, (consumer,))
+
+        def apply(self, consumer: Any) -> None:
+            active = {q.name for q in consumer.task_consumer.queues}
+            wanted = state.wanted()
+            for queue in sorted(wanted - active):
+                log.info("consuming %s", queue)
+                consumer.add_task_queue(queue)
+            for queue in sorted(active - wanted):
+                log.warning("not consuming %s (engine unhealthy or job gone)", queue)
+                consumer.cancel_task_queue(queue)
+
+    return QueueGate
+
+
+class Watcher(threading.Thread):
+    """Polls engine health and the job registry; never touches the Celery consumer."""
+
+    def __init__(self, options: WorkerOptions, ctx: ChunkContext, state: QueueState) -> None:
+        super().__init__(name="regen-watcher", daemon=True)
+        self._options = options
+        self._ctx = ctx
+        self._state = state
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(WATCH_INTERVAL_S):
+            try:
+                self.poll()
+            except Exception:
+                log.exception("watcher poll failed")
+
+    def poll(self) -> None:
+        healthy = self._ctx.runner.call(self._ctx.runner.engine.health(), timeout=60)
+        if healthy != self._state.healthy:
+            log.warning("engine is %s", "healthy again" if healthy else "UNHEALTHY")
+        self._state.healthy = healthy
+        if not self._options.jobs and not self._options.queues:
+            self._state.set_queues(discover_queues(self._ctx, self._options))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def discover_queues(ctx: ChunkContext, options: WorkerOptions) -> set[str]:
+    """Queues of the jobs this worker can serve: all jobs, or those of its --model."""
+    queues = set()
+    for job in jobspec.list_jobs(ctx.redis):
+        spec = ctx.spec(job)
+        model = options.engine_options.model
+        if model is None or spec.model == model:
+            queues.add(spec.queue)
+    return queues
+
+
+def _resolve(options: WorkerOptions, ctx_redis: Any) -> tuple[list[jobspec.JobSpec], set[str]]:
+    specs = [jobspec.load(ctx_redis, job) for job in options.jobs]
+    queues = set(options.queues) | {spec.queue for spec in specs}
+    return specs, queues
+
+
+def run_worker(options: WorkerOptions) -> None:
+    url = connection.resolve_url(options.redis_url)
+    r = connection.client(url)
+    specs, queues = _resolve(options, r)
+    engine_options = options.engine_options
+    if engine_options.model is None and options.engine in ("local", "sglang-engine"):
+        # An in-process engine holds one model: take it from the jobs it will serve.
+        served = specs or [jobspec.load(r, job) for job in jobspec.list_jobs(r)]
+        models = {spec.model for spec in served}
+        if len(models) != 1:
+            raise SystemExit(
+                f"--engine {options.engine} serves one model; the jobs use "
+                f"{sorted(models) or 'none yet'}: pass --model (and --jobs)"
+            )
+        engine_options = EngineOptions(**{**engine_options.__dict__, "model": models.pop()})
+        options.engine_options = engine_options
+    engine = make_engine(options.engine, engine_options)
+    runner = EngineRunner(engine)
+    name = worker_name("generate")
+    ctx = ChunkContext(redis=r, runner=runner, worker=name, max_attempts=options.max_attempts)
+    state = QueueState(queues)
+    if not queues:
+        state.set_queues(discover_queues(ctx, options))
+    chunk_size = max([s.chunk_size for s in specs] or [64])
+    concurrency = options.concurrency or chunks_in_flight(engine.capacity(), chunk_size)
+
+    app: Celery = make_app(url)
+    register(app, ctx)
+    app.steps["consumer"].add(make_queue_gate(state))
+    watcher = Watcher(options, ctx, state)
+    heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))
+    watcher.start()
+    heartbeat.start()
+    log.info("generate worker %s: engine %s, %d chunks at once, Redis %s",
+             name, options.engine, concurrency, connection.redact(url))  # fmt: skip
+    try:
+        app.worker_main([
+            "worker", "--pool", "threads", "--concurrency", str(concurrency),
+            # Queues come and go through QueueGate; start on a placeholder-free set.
+            "--queues", ",".join(sorted(state.wanted())) or "regen.idle",
+            "--hostname", name, "--loglevel", options.loglevel,
+            "--without-mingle", "--without-gossip",
+        ])  # fmt: skip
+    finally:
+        watcher.stop()
+        heartbeat.stop()
+        runner.close()
+
+
+def _snapshot(
+    options: WorkerOptions, ctx: ChunkContext, state: QueueState, concurrency: int
+) -> dict[str, Any]:
+    stats = ctx.runner.engine.stats()
+    return {
+        "kind": "generate",
+        "engine": options.engine,
+        "healthy": state.healthy,
+        "queues": sorted(state.wanted()),
+        "concurrency": concurrency,
+        "engine_stats": stats,
+        "inflight": ctx.inflight,
+        "tokens_per_s": ctx.tokens.rate(),
+        "tokens_total": ctx.tokens.total,
+    }

@@ -1,0 +1,251 @@
+"""The producer: dataset rows -> prompts -> chunks on the job's generate queue.
+
+Each file is read from its resume cursor; every row ends in exactly one place: a chunk
+(published atomically with its ids and the cursor, see publish.py), the input DLQ (with
+file, row and reason), or counted as a duplicate of a prompt already in the job. The
+cursor only moves past rows that are resolved, so `kill -9` then the same command again
+continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from common import dlq, keys, tokenizer
+from common.chunk import Chunk, ChunkPrompt
+from common.queues import waiting_chunks
+from producer.publish import ChunkPublisher
+from producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
+from producer.rows import BadRow, Prompt, to_prompt
+from producer.spec import PreparedJob
+
+BACKPRESSURE_POLL_S = 0.5
+# The input DLQ keeps this much of a bad row, enough to see what was wrong with it.
+RAW_SNIPPET_CHARS = 2000
+
+
+@dataclass
+class EnqueueStats:
+    rows_read: int = 0
+    rows_resumed: int = 0
+    enqueued: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    chunks: int = 0
+    waiting: int = 0
+    high_water: int = 0
+    throttled: bool = False
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    def rate(self) -> float:
+        return self.rows_read / max(time.monotonic() - self.started, 1e-9)
+
+
+@dataclass
+class _Pending:
+    prompt: Prompt
+    source: dict[str, Any]
+
+
+class Enqueuer:
+    def __init__(
+        self,
+        r: redis.Redis,
+        app: Celery,
+        job: PreparedJob,
+        *,
+        high_water: int,
+        on_progress: Callable[[EnqueueStats], None] = lambda stats: None,
+    ) -> None:
+        self._r = r
+        self._job = job
+        self._spec = job.spec
+        self._publisher = ChunkPublisher(app, r, self._spec.name, self._spec.queue)
+        self._high_water = high_water
+        self._on_progress = on_progress
+        self._token_limit = self._spec.prompt_token_limit()
+        self.stats = EnqueueStats(high_water=high_water)
+
+    # --- the loop ------------------------------------------------------------------
+
+    def run(self, datasets: list[Path], limit: int | None = None) -> EnqueueStats:
+        """Enqueue the datasets; `limit` reads only their first `limit` rows in order."""
+        budget = limit
+        try:
+            for path in datasets:
+                if budget is not None and budget <= 0:
+                    break
+                budget = self._run_file(path, budget)
+        finally:
+            self._publisher.close()
+        self._on_progress(self.stats)
+        return self.stats
+
+    def _run_file(self, path: Path, budget: int | None) -> int | None:
+        fingerprint = file_fingerprint(path)
+        raw_cursor = self._r.hget(keys.job_cursors(self._spec.name), fingerprint)
+        start = int(raw_cursor or 0)
+        self.stats.rows_resumed += start
+        if budget is not None:
+            budget -= start
+        last_row = start
+        buffer: list[_Pending] = []
+        for raw in iter_rows(path, start_row=start):
+            if budget is not None:
+                if budget <= 0:
+                    break
+                budget -= 1
+            self.stats.rows_read += 1
+            last_row = max(last_row, raw.row)
+            pending = self._interpret(raw, path)
+            if pending is not None:
+                buffer.append(pending)
+            if len(buffer) >= self._spec.chunk_size:
+                self._flush(buffer, fingerprint, last_row)
+                buffer = []
+            if self.stats.rows_read % 256 == 0:
+                self._on_progress(self.stats)
+        # Rows after the last full chunk form the file's final, smaller chunk.
+        self._flush(buffer, fingerprint, last_row)
+        return budget
+
+    # --- one row -------------------------------------------------------------------
+
+    def _interpret(self, raw: RawRow, path: Path) -> _Pending | None:
+        source = {"file": str(path), "row": raw.row}
+        if raw.error is not None:
+            self._dead_letter_row(raw, path, raw.error.reason, raw.error.message)
+            return None
+        try:
+            prompt = to_prompt(raw.value, system_prompt=self._spec.system_prompt)
+        except BadRow as exc:
+            self._dead_letter_row(raw, path, exc.reason, exc.message)
+            return None
+        source["id"] = prompt.source_id
+        return _Pending(prompt=prompt, source=source)
+
+    def _dead_letter_row(self, raw: RawRow, path: Path, reason: str, message: str) -> None:
+        # Keyed by file and row, so re-reading the file after a crash overwrites the entry.
+        key = hashlib.blake2b(f"{Path(path).resolve()}\0{raw.row}".encode(), digest_size=8)
+        snippet = None if raw.value is None else repr(raw.value)[:RAW_SNIPPET_CHARS]
+        dlq.put(self._r, dlq.DeadLetter(
+            entry_id=f"row:{key.hexdigest()}", job=self._spec.name, stage="input",
+            reason=reason, message=message, source={"file": str(path), "row": raw.row},
+            payload={"row": snippet},
+        ))  # fmt: skip
+        self._count_rejected(reason)
+
+    def _count_rejected(self, reason: str) -> None:
+        self.stats.rejected += 1
+        by_reason = self.stats.rejected_by_reason
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+
+    # --- a chunk -------------------------------------------------------------------
+
+    def _flush(self, buffer: list[_Pending], fingerprint: str, last_row: int) -> None:
+        """Resolve every buffered row, then move the file's cursor to `last_row`."""
+        fresh = self._drop_known(buffer)
+        prompts = [p for p in (self._render(item) for item in fresh) if p is not None]
+        cursors = {fingerprint: last_row}
+        while prompts:
+            self._wait_for_room()
+            ids = [p.id for p in prompts]
+            chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts)
+            outcome = self._publisher.publish(chunk.chunk_id, chunk.to_payload(), ids, cursors)
+            if outcome.published or not outcome.already_enqueued:
+                if outcome.published:
+                    self.stats.enqueued += len(ids)
+                    self.stats.chunks += 1
+                else:  # this exact chunk was published before: its prompts are in
+                    self.stats.duplicates += len(ids)
+                    self._r.hset(keys.job_cursors(self._spec.name), mapping=cursors)
+                return
+            # Another producer enqueued some of these prompts meanwhile.
+            taken = set(outcome.already_enqueued)
+            self.stats.duplicates += len(taken)
+            prompts = [p for p in prompts if p.id not in taken]
+        self._r.hset(keys.job_cursors(self._spec.name), mapping=cursors)
+
+    def _drop_known(self, buffer: list[_Pending]) -> list[_Pending]:
+        """Drop prompts already in the job or earlier in this buffer (exact duplicates)."""
+        if not buffer:
+            return []
+        ids = [item.prompt.id for item in buffer]
+        known = self._r.smismember(keys.job_ids(self._spec.name), ids)
+        seen: set[str] = set()
+        fresh = []
+        for item, pid, is_known in zip(buffer, ids, known, strict=True):
+            if is_known or pid in seen:
+                self.stats.duplicates += 1
+                continue
+            seen.add(pid)
+            fresh.append(item)
+        return fresh
+
+    def _render(self, item: _Pending) -> ChunkPrompt | None:
+        messages = item.prompt.messages
+        pid = item.prompt.id
+        try:
+            ids = tokenizer.render_prompt_ids(
+                self._job.tokenizer, messages, self._spec.chat_template_kwargs
+            )
+        except Exception as exc:  # a template that raises on this conversation
+            self._dead_letter_prompt(item, "template_error", f"chat template failed: {exc}", [])
+            return None
+        if self._token_limit is not None and len(ids) > self._token_limit:
+            self._dead_letter_prompt(item, "prompt_too_long", (
+                f"prompt is {len(ids)} tokens; the job allows {self._token_limit} "
+                f"(max_prompt_tokens={self._spec.max_prompt_tokens}, context "
+                f"{self._spec.context_length} - max_new_tokens "
+                f"{self._spec.sampling['max_new_tokens']})"), ids)  # fmt: skip
+            return None
+        return ChunkPrompt(id=pid, prompt_ids=ids, messages=messages, source=item.source)
+
+    def _dead_letter_prompt(
+        self, item: _Pending, reason: str, message: str, prompt_ids: list[int]
+    ) -> None:
+        """A prompt the job refuses still belongs to the job: its id goes into the job's
+        id set together with the DLQ entry, so it is accounted for (and not retried)."""
+        pid = item.prompt.id
+        pipe = self._r.pipeline()
+        pipe.sadd(keys.job_ids(self._spec.name), pid)
+        dlq.put(pipe, dlq.DeadLetter(
+            entry_id=pid, job=self._spec.name, stage="input", reason=reason, message=message,
+            prompt_id=pid, source=item.source,
+            payload={"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)},
+        ))  # fmt: skip
+        pipe.execute()
+        self._count_rejected(reason)
+
+    def _wait_for_room(self) -> None:
+        """Backpressure: block while the job's window in Redis is full."""
+        while True:
+            self.stats.waiting = waiting_chunks(self._r, self._spec)
+            self.stats.throttled = self.stats.waiting >= self._high_water
+            if not self.stats.throttled:
+                return
+            self._on_progress(self.stats)
+            time.sleep(BACKPRESSURE_POLL_S)
+
+
+def expand_datasets(paths: list[str]) -> list[Path]:
+    """Datasets in the order given; a directory expands to its supported files, sorted."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            out.extend(
+                sorted(p for p in path.iterdir() if p.name.lower().endswith(SUPPORTED_SUFFIXES))
+            )
+        else:
+            out.append(path)
+    return out

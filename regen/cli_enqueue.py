@@ -1,0 +1,146 @@
+"""`regen enqueue`: create or extend a job and push its prompts onto the generate queue."""
+
+from __future__ import annotations
+
+import click
+import orjson
+
+from common import connection, defaults, jobspec
+from regen.options import redis_url_option
+
+
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict:
+    if not value:
+        return {}
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object, e.g. '{\"thinking\": false}'")
+    return parsed
+
+
+@click.command()
+@click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--job", required=True, envvar="REGEN_JOB", help="Job name (created if new).")
+@click.option(
+    "--model",
+    required=True,
+    envvar="REGEN_MODEL",
+    help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
+)
+@click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=defaults.CHUNK_SIZE,
+    show_default=True,
+    help="Prompts per chunk (the unit of work).",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=defaults.MAX_NEW_TOKENS,
+    show_default=True,
+    help="Always sent: SGLang's own default is only 128.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Default: the model's generation_config.",
+)
+@click.option("--top-p", type=click.FloatRange(0, 1), default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--min-p", type=click.FloatRange(0, 1), default=None)
+@click.option(
+    "--thinking/--no-thinking",
+    default=None,
+    help="Thinking mode, mapped to the chat template's switch "
+    "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
+)
+@click.option(
+    "--chat-template-kwargs",
+    callback=_json_object,
+    default=None,
+    metavar="JSON",
+    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
+)
+@click.option("--system-prompt", default=None, help="System message for rows that have none.")
+@click.option(
+    "--max-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Longer prompts go to the input DLQ.",
+)
+@click.option(
+    "--context-length",
+    type=click.IntRange(min=2),
+    default=None,
+    help="The server's context length (default: from the model's config).",
+)
+@click.option("--queue", default=None, help="Generate queue (default regen.generate.JOB).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Read only the first N rows of the datasets (in order).",
+)
+@click.option(
+    "--high-water",
+    type=click.IntRange(min=1),
+    default=defaults.HIGH_WATER_CHUNKS,
+    show_default=True,
+    envvar="REGEN_HIGH_WATER",
+    help="Block while the job has this many chunks waiting in Redis.",
+)
+@redis_url_option
+def enqueue(datasets: tuple[str, ...], job: str, model: str, tokenizer: str | None,
+            trust_remote_code: bool, chunk_size: int, max_new_tokens: int,
+            temperature: float | None, top_p: float | None, top_k: int | None,
+            min_p: float | None, thinking: bool | None, chat_template_kwargs: dict,
+            system_prompt: str | None, max_prompt_tokens: int | None,
+            context_length: int | None, queue: str | None, limit: int | None,
+            high_water: int, redis_url: str | None) -> None:  # fmt: skip
+    """Enqueue DATASETS (JSONL, .jsonl.zst/.gz, JSON arrays, Parquet) into job --job.
+
+    Safe to rerun: prompts already in the job are skipped, and after a crash the same
+    command continues where it stopped.
+    """
+    # Imported here: transformers takes seconds to import, `regen --help` should not.
+    from common.celery_app import make_app
+    from producer.enqueue import Enqueuer, expand_datasets
+    from producer.progress import ProgressDisplay, summary
+    from producer.spec import JobOptions, prepare_job
+
+    options = JobOptions(
+        job=job, model=model, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, thinking=thinking, chat_template_kwargs=chat_template_kwargs,
+        system_prompt=system_prompt, chunk_size=chunk_size,
+        max_prompt_tokens=max_prompt_tokens, context_length=context_length, queue=queue,
+    )  # fmt: skip
+    try:
+        prepared = prepare_job(options)
+    except (ValueError, jobspec.JobSpecError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    url = connection.resolve_url(redis_url)
+    r = connection.client(url)
+    try:
+        jobspec.save(r, prepared.spec)
+    except jobspec.JobSpecMismatch as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"job {job}: model {model}, queue {prepared.spec.queue}, "
+               f"Redis {connection.redact(url)}", err=True)  # fmt: skip
+    enqueuer_app = make_app(url)
+    with ProgressDisplay() as progress:
+        enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water,
+                            on_progress=progress)  # fmt: skip
+        stats = enqueuer.run(expand_datasets(list(datasets)), limit=limit)
+    click.echo(summary(stats, job))
