@@ -42,17 +42,25 @@ def find_redis_server() -> str:
 def redis_config(data_dir: Path, port: int, *, unixsocket: Path | None = None) -> list[str]:
     """redis-server arguments regen relies on (shared by the embedded server and tests)."""
     args = [
-        "--bind", "127.0.0.1",
-        "--port", str(port),
-        "--dir", str(data_dir),
-        "--appendonly", "yes",
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
         # Every acknowledged write is on disk: a kill -9 of Redis loses nothing that a
         # stage already acted on (DESIGN.md invariant 1).
-        "--appendfsync", "always",
-        "--save", "",
-        "--maxmemory-policy", "noeviction",
-        "--protected-mode", "no",
-    ]  # fmt: skip
+        "--appendfsync",
+        "always",
+        "--save",
+        "",
+        "--maxmemory-policy",
+        "noeviction",
+        "--protected-mode",
+        "no",
+    ]
     if unixsocket is not None:
         args += ["--unixsocket", str(unixsocket), "--unixsocketperm", "700"]
     return args
@@ -102,8 +110,14 @@ class EmbeddedRedis:
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [find_redis_server(), *redis_config(self.data_dir, self.port)]
-        args += ["--daemonize", "yes", "--pidfile", str(self.pidfile),
-                 "--logfile", str(self.data_dir / "redis.log")]  # fmt: skip
+        args += [
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(self.pidfile),
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+        ]
         subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while not self.running():
@@ -113,8 +127,10 @@ class EmbeddedRedis:
                 )
             time.sleep(0.05)
         if not quiet:
-            print(f"regen: started embedded Redis at {self.url} (data in {self.data_dir})",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"regen: started embedded Redis at {self.url} (data in {self.data_dir})",
+                file=sys.stderr,
+            )
         return self.url
 
     def stop(self) -> bool:

@@ -19,11 +19,24 @@ from common import keys
 SPEC_VERSION = 1
 
 # SGLang sampling_params regen lets a job set (DESIGN.md "SGLang facts").
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "skip_special_tokens", "no_stop_trim", "ignore_eos", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "seed",
-})  # fmt: skip
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "ignore_eos",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+    }
+)
 
 
 class JobSpecError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from common import dlq, keys, tokenizer
+from common import chat_family, dlq, keys
 from common.chunk import Chunk, ChunkPrompt
 from common.queues import waiting_chunks
 from producer.publish import ChunkPublisher
@@ -137,11 +137,18 @@ class Enqueuer:
         # Keyed by file and row, so re-reading the file after a crash overwrites the entry.
         key = hashlib.blake2b(f"{Path(path).resolve()}\0{raw.row}".encode(), digest_size=8)
         snippet = None if raw.value is None else repr(raw.value)[:RAW_SNIPPET_CHARS]
-        dlq.put(self._r, dlq.DeadLetter(
-            entry_id=f"row:{key.hexdigest()}", job=self._spec.name, stage="input",
-            reason=reason, message=message, source={"file": str(path), "row": raw.row},
-            payload={"row": snippet},
-        ))  # fmt: skip
+        dlq.put(
+            self._r,
+            dlq.DeadLetter(
+                entry_id=f"row:{key.hexdigest()}",
+                job=self._spec.name,
+                stage="input",
+                reason=reason,
+                message=message,
+                source={"file": str(path), "row": raw.row},
+                payload={"row": snippet},
+            ),
+        )
         self._count_rejected(reason)
 
     def _count_rejected(self, reason: str) -> None:
@@ -195,18 +202,24 @@ class Enqueuer:
         messages = item.prompt.messages
         pid = item.prompt.id
         try:
-            ids = tokenizer.render_prompt_ids(
+            ids = chat_family.render_prompt_ids(
                 self._job.tokenizer, messages, self._spec.chat_template_kwargs
             )
         except Exception as exc:  # a template that raises on this conversation
             self._dead_letter_prompt(item, "template_error", f"chat template failed: {exc}", [])
             return None
         if self._token_limit is not None and len(ids) > self._token_limit:
-            self._dead_letter_prompt(item, "prompt_too_long", (
-                f"prompt is {len(ids)} tokens; the job allows {self._token_limit} "
-                f"(max_prompt_tokens={self._spec.max_prompt_tokens}, context "
-                f"{self._spec.context_length} - max_new_tokens "
-                f"{self._spec.sampling['max_new_tokens']})"), ids)  # fmt: skip
+            self._dead_letter_prompt(
+                item,
+                "prompt_too_long",
+                (
+                    f"prompt is {len(ids)} tokens; the job allows {self._token_limit} "
+                    f"(max_prompt_tokens={self._spec.max_prompt_tokens}, context "
+                    f"{self._spec.context_length} - max_new_tokens "
+                    f"{self._spec.sampling['max_new_tokens']})"
+                ),
+                ids,
+            )
             return None
         return ChunkPrompt(id=pid, prompt_ids=ids, messages=messages, source=item.source)
 
@@ -218,11 +231,19 @@ class Enqueuer:
         pid = item.prompt.id
         pipe = self._r.pipeline()
         pipe.sadd(keys.job_ids(self._spec.name), pid)
-        dlq.put(pipe, dlq.DeadLetter(
-            entry_id=pid, job=self._spec.name, stage="input", reason=reason, message=message,
-            prompt_id=pid, source=item.source,
-            payload={"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)},
-        ))  # fmt: skip
+        dlq.put(
+            pipe,
+            dlq.DeadLetter(
+                entry_id=pid,
+                job=self._spec.name,
+                stage="input",
+                reason=reason,
+                message=message,
+                prompt_id=pid,
+                source=item.source,
+                payload={"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)},
+            ),
+        )
         pipe.execute()
         self._count_rejected(reason)
 

@@ -106,9 +106,12 @@ class ChunkPublisher:
         event, a fanout PUBLISH) to run once the chunk is in."""
         with self._producer.batch():
             self._app.send_task(
-                GENERATE_TASK, args=[payload], task_id=chunk_id, queue=self._queue,
+                GENERATE_TASK,
+                args=[payload],
+                task_id=chunk_id,
+                queue=self._queue,
                 producer=self._producer,
-            )  # fmt: skip
+            )
         assert self._capture is not None
         commands, self._capture = self._capture.commands, None
         pushes = [(args[0], args[1]) for name, args in commands if name == "lpush"]
@@ -126,9 +129,12 @@ class ChunkPublisher:
         pushes, after = self._render(chunk_id, payload)
         job = self._job
         lua_keys = [
-            keys.job_ids(job), keys.job_chunks(job), keys.job_cursors(job),
-            keys.job_counters(job), *(key for key, _ in pushes),
-        ]  # fmt: skip
+            keys.job_ids(job),
+            keys.job_chunks(job),
+            keys.job_cursors(job),
+            keys.job_counters(job),
+            *(key for key, _ in pushes),
+        ]
         cursor_args: list[Any] = []
         for name, value in cursors.items():
             cursor_args += [name, value]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import defaults, keys, tokenizer
+from common import chat_family, defaults, keys, tokenizer
 from common.jobspec import JobSpec
 
 
@@ -34,7 +34,7 @@ class JobOptions:
 class PreparedJob:
     spec: JobSpec
     tokenizer: Any
-    family: tokenizer.ChatFamily
+    family: chat_family.ChatFamily
 
 
 def sampling_params(options: JobOptions) -> dict[str, Any]:
@@ -54,8 +54,8 @@ def prepare_job(options: JobOptions) -> PreparedJob:
     tok = tokenizer.load_tokenizer(
         options.model, tokenizer=options.tokenizer, trust_remote_code=options.trust_remote_code
     )
-    family = tokenizer.detect_family(tok)
-    template_kwargs = tokenizer.template_kwargs(
+    family = chat_family.detect_family(tok)
+    template_kwargs = chat_family.template_kwargs(
         family, options.thinking, options.chat_template_kwargs
     )
     context = options.context_length

@@ -101,13 +101,28 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
     help="Block while the job has this many chunks waiting in Redis.",
 )
 @redis_url_option
-def enqueue(datasets: tuple[str, ...], job: str, model: str, tokenizer: str | None,
-            trust_remote_code: bool, chunk_size: int, max_new_tokens: int,
-            temperature: float | None, top_p: float | None, top_k: int | None,
-            min_p: float | None, thinking: bool | None, chat_template_kwargs: dict,
-            system_prompt: str | None, max_prompt_tokens: int | None,
-            context_length: int | None, queue: str | None, limit: int | None,
-            high_water: int, redis_url: str | None) -> None:  # fmt: skip
+def enqueue(
+    datasets: tuple[str, ...],
+    job: str,
+    model: str,
+    tokenizer: str | None,
+    trust_remote_code: bool,
+    chunk_size: int,
+    max_new_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    thinking: bool | None,
+    chat_template_kwargs: dict,
+    system_prompt: str | None,
+    max_prompt_tokens: int | None,
+    context_length: int | None,
+    queue: str | None,
+    limit: int | None,
+    high_water: int,
+    redis_url: str | None,
+) -> None:
     """Enqueue DATASETS (JSONL, .jsonl.zst/.gz, JSON arrays, Parquet) into job --job.
 
     Safe to rerun: prompts already in the job are skipped, and after a crash the same
@@ -120,12 +135,23 @@ def enqueue(datasets: tuple[str, ...], job: str, model: str, tokenizer: str | No
     from producer.spec import JobOptions, prepare_job
 
     options = JobOptions(
-        job=job, model=model, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, thinking=thinking, chat_template_kwargs=chat_template_kwargs,
-        system_prompt=system_prompt, chunk_size=chunk_size,
-        max_prompt_tokens=max_prompt_tokens, context_length=context_length, queue=queue,
-    )  # fmt: skip
+        job=job,
+        model=model,
+        tokenizer=tokenizer,
+        trust_remote_code=trust_remote_code,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        thinking=thinking,
+        chat_template_kwargs=chat_template_kwargs,
+        system_prompt=system_prompt,
+        chunk_size=chunk_size,
+        max_prompt_tokens=max_prompt_tokens,
+        context_length=context_length,
+        queue=queue,
+    )
     try:
         prepared = prepare_job(options)
     except (ValueError, jobspec.JobSpecError) as exc:
@@ -136,11 +162,12 @@ def enqueue(datasets: tuple[str, ...], job: str, model: str, tokenizer: str | No
         jobspec.save(r, prepared.spec)
     except jobspec.JobSpecMismatch as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"job {job}: model {model}, queue {prepared.spec.queue}, "
-               f"Redis {connection.redact(url)}", err=True)  # fmt: skip
+    click.echo(
+        f"job {job}: model {model}, queue {prepared.spec.queue}, Redis {connection.redact(url)}",
+        err=True,
+    )
     enqueuer_app = make_app(url)
     with ProgressDisplay() as progress:
-        enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water,
-                            on_progress=progress)  # fmt: skip
+        enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water, on_progress=progress)
         stats = enqueuer.run(expand_datasets(list(datasets)), limit=limit)
     click.echo(summary(stats, job))

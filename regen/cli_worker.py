@@ -84,23 +84,154 @@ def worker_group() -> None:
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--loglevel", default="INFO", show_default=True)
 @redis_url_option
-def generate(engine: str, servers: list[str], model: str | None, max_inflight: int,
-             request_timeout: float, jobs: list[str], queues: list[str], concurrency: int,
-             max_attempts: int, device: str, tp_size: int, trust_remote_code: bool,
-             loglevel: str, redis_url: str | None) -> None:  # fmt: skip
+def generate(
+    engine: str,
+    servers: list[str],
+    model: str | None,
+    max_inflight: int,
+    request_timeout: float,
+    jobs: list[str],
+    queues: list[str],
+    concurrency: int,
+    max_attempts: int,
+    device: str,
+    tp_size: int,
+    trust_remote_code: bool,
+    loglevel: str,
+    redis_url: str | None,
+) -> None:
     """Generate completions for queued chunks with ENGINE (one worker per GPU host)."""
     from consumers.generate.worker import WorkerOptions, run_worker
 
     try:
         engine_options = EngineOptions(
-            servers=servers, model=model, max_inflight=max_inflight,
-            request_timeout_s=request_timeout, trust_remote_code=trust_remote_code,
-            device=device, tp_size=tp_size,
-        )  # fmt: skip
-        run_worker(WorkerOptions(
-            redis_url=redis_url, engine=engine, engine_options=engine_options, jobs=jobs,
-            queues=queues, concurrency=concurrency, max_attempts=max_attempts,
-            loglevel=loglevel,
-        ))  # fmt: skip
+            servers=servers,
+            model=model,
+            max_inflight=max_inflight,
+            request_timeout_s=request_timeout,
+            trust_remote_code=trust_remote_code,
+            device=device,
+            tp_size=tp_size,
+        )
+        run_worker(
+            WorkerOptions(
+                redis_url=redis_url,
+                engine=engine,
+                engine_options=engine_options,
+                jobs=jobs,
+                queues=queues,
+                concurrency=concurrency,
+                max_attempts=max_attempts,
+                loglevel=loglevel,
+            )
+        )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+@worker_group.command("tokenize")
+@click.option(
+    "--out",
+    "out_dir",
+    default=defaults.OUT_DIR,
+    show_default=True,
+    envvar="REGEN_OUT",
+    type=click.Path(file_okay=False),
+    help="Shards go to OUT/JOB/.",
+)
+@click.option("--jobs", multiple=True, callback=_csv, help="Only these jobs (default: all).")
+@click.option(
+    "--shard-mb",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Roll over to a new shard at this many MB (uncompressed).",
+)
+@click.option(
+    "--shard-rows",
+    type=click.IntRange(min=1),
+    default=100_000,
+    show_default=True,
+    help="Roll over at this many records.",
+)
+@click.option(
+    "--max-shard-age",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Commit an open shard after this many seconds.",
+)
+@click.option(
+    "--idle-commit",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Commit an open shard when no result came for this many seconds.",
+)
+@click.option(
+    "--on-truncated",
+    type=click.Choice(["keep", "drop", "dlq"]),
+    default="dlq",
+    show_default=True,
+    help="What to do with answers cut at max_new_tokens.",
+)
+@click.option(
+    "--drift-check/--no-drift-check",
+    default=True,
+    show_default=True,
+    help="Compare each record with a re-render of the chat template.",
+)
+@click.option(
+    "--min-free-mb",
+    type=click.IntRange(min=0),
+    default=2048,
+    show_default=True,
+    envvar="REGEN_MIN_FREE_MB",
+    help="Pause while the shard disk has less free.",
+)
+@click.option(
+    "--claim-idle",
+    type=click.FloatRange(min=1),
+    default=900.0,
+    show_default=True,
+    help="Take over results another consumer held this many seconds.",
+)
+@redis_url_option
+def tokenize(
+    out_dir: str,
+    jobs: list[str],
+    shard_mb: int,
+    shard_rows: int,
+    max_shard_age: float,
+    idle_commit: float,
+    on_truncated: str,
+    drift_check: bool,
+    min_free_mb: int,
+    claim_idle: float,
+    redis_url: str | None,
+) -> None:
+    """Write token-exact records of generated results into OUT/JOB/shard-*.jsonl.zst."""
+    from pathlib import Path
+
+    from consumers.tokenize.consumer import TokenizeOptions
+    from consumers.tokenize.job_writer import ShardPolicy
+    from consumers.tokenize.worker import run_worker as run_tokenize
+
+    policy = ShardPolicy(
+        max_rows=shard_rows,
+        max_bytes=shard_mb * 1024 * 1024,
+        max_age_s=max_shard_age,
+        idle_s=idle_commit,
+    )
+    run_tokenize(
+        redis_url,
+        TokenizeOptions(
+            out_dir=Path(out_dir),
+            jobs=jobs,
+            policy=policy,
+            on_truncated=on_truncated,
+            drift_check=drift_check,
+            min_free_bytes=min_free_mb * 1024 * 1024,
+            claim_idle_s=claim_idle,
+        ),
+    )

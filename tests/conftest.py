@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,25 @@ def regen_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "regen-home"
     monkeypatch.setenv("REGEN_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Kimi K2-format tokenizer folder (tiktoken, remote code), built from qwen3_6 ranks."""
+    from tests.fixtures.kimi_tokenizer import build_kimi_tokenizer
+
+    return build_kimi_tokenizer(tmp_path_factory.mktemp("kimi-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def kimi_tokenizer(kimi_tokenizer_dir: Path) -> Any:
+    from common.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(kimi_tokenizer_dir), trust_remote_code=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    from common.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2")

@@ -105,15 +105,29 @@ def _dead_letter_all(
 ) -> None:
     pipe = ctx.redis.pipeline()
     for prompt in prompts:
-        dlq.put(pipe, dlq.DeadLetter(
-            entry_id=prompt.id, job=chunk.job, stage="generate", reason="poison_chunk",
-            message=(f"chunk {chunk.chunk_id} was delivered {len(history)} times without "
-                     "finishing (its worker died, or it failed: see history)"),
-            prompt_id=prompt.id, source=prompt.source, attempts=len(history),
-            payload={"chunk": chunk.chunk_id, "prompt_ids": prompt.prompt_ids,
-                     "messages": prompt.messages},
-            history=history, worker=ctx.worker,
-        ))  # fmt: skip
+        dlq.put(
+            pipe,
+            dlq.DeadLetter(
+                entry_id=prompt.id,
+                job=chunk.job,
+                stage="generate",
+                reason="poison_chunk",
+                message=(
+                    f"chunk {chunk.chunk_id} was delivered {len(history)} times without "
+                    "finishing (its worker died, or it failed: see history)"
+                ),
+                prompt_id=prompt.id,
+                source=prompt.source,
+                attempts=len(history),
+                payload={
+                    "chunk": chunk.chunk_id,
+                    "prompt_ids": prompt.prompt_ids,
+                    "messages": prompt.messages,
+                },
+                history=history,
+                worker=ctx.worker,
+            ),
+        )
         pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
     pipe.execute()
 
@@ -125,8 +139,9 @@ async def _generate_with_retry(runner: EngineRunner, request: GenerateRequest) -
         try:
             return await runner.engine.generate(request)
         except EngineUnavailable as exc:
-            log.warning("engine unavailable for %s (%s); retrying in ~%.0f s",
-                        request.rid, exc, delay)  # fmt: skip
+            log.warning(
+                "engine unavailable for %s (%s); retrying in ~%.0f s", request.rid, exc, delay
+            )
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, 60.0)
 
@@ -135,13 +150,23 @@ def _hand_off(
     ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, result: GenerateResult, attempt: int
 ) -> None:
     generated = GeneratedResult(
-        id=prompt.id, job=chunk.job, chunk=chunk.chunk_id, prompt_ids=prompt.prompt_ids,
-        messages=prompt.messages, source=prompt.source, output_ids=list(result.output_ids),
-        text=result.text, finish_reason=result.finish_reason,
-        prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-        cached_tokens=result.cached_tokens, latency_s=result.latency_s,
-        server=result.server, worker=ctx.worker, attempt=attempt,
-    )  # fmt: skip
+        id=prompt.id,
+        job=chunk.job,
+        chunk=chunk.chunk_id,
+        prompt_ids=prompt.prompt_ids,
+        messages=prompt.messages,
+        source=prompt.source,
+        output_ids=list(result.output_ids),
+        text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        cached_tokens=result.cached_tokens,
+        latency_s=result.latency_s,
+        server=result.server,
+        worker=ctx.worker,
+        attempt=attempt,
+    )
     pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
     pipe.xadd(keys.results_stream(chunk.job), generated.to_fields())
     pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
@@ -155,13 +180,26 @@ def _reject(
     ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected, attempt: int
 ) -> None:
     pipe = ctx.redis.pipeline()
-    dlq.put(pipe, dlq.DeadLetter(
-        entry_id=prompt.id, job=chunk.job, stage="generate", reason="rejected_by_server",
-        message=exc.message, prompt_id=prompt.id, source=prompt.source, attempts=attempt + 1,
-        payload={"chunk": chunk.chunk_id, "prompt_ids": prompt.prompt_ids,
-                 "messages": prompt.messages, "server": exc.server},
-        worker=ctx.worker,
-    ))  # fmt: skip
+    dlq.put(
+        pipe,
+        dlq.DeadLetter(
+            entry_id=prompt.id,
+            job=chunk.job,
+            stage="generate",
+            reason="rejected_by_server",
+            message=exc.message,
+            prompt_id=prompt.id,
+            source=prompt.source,
+            attempts=attempt + 1,
+            payload={
+                "chunk": chunk.chunk_id,
+                "prompt_ids": prompt.prompt_ids,
+                "messages": prompt.messages,
+                "server": exc.server,
+            },
+            worker=ctx.worker,
+        ),
+    )
     pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
     pipe.expire(keys.chunk_generated(chunk.job, chunk.chunk_id), CHUNK_STATE_TTL_S)
     pipe.execute()
@@ -179,8 +217,12 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
         h for i, h in enumerate(history) if i != attempt and h["status"] in ("started", "failed")
     ]
     if len(failed) >= ctx.max_attempts:
-        log.error("chunk %s: %d deliveries died or failed; dead-lettering its %d open prompts",
-                  chunk.chunk_id, len(failed), len(todo))  # fmt: skip
+        log.error(
+            "chunk %s: %d deliveries died or failed; dead-lettering its %d open prompts",
+            chunk.chunk_id,
+            len(failed),
+            len(todo),
+        )
         _dead_letter_all(ctx, chunk, todo, history)
         end_attempt(ctx, chunk, attempt, "dead_lettered")
         return ChunkOutcome(0, len(done), len(todo))

@@ -29,11 +29,18 @@ def register(app: Celery, ctx: ChunkContext) -> None:
         except ValueError as exc:
             # No prompt can be identified, so the whole message is the dead letter.
             job = payload.get("job", "unknown") if isinstance(payload, dict) else "unknown"
-            dlq.put(ctx.redis, dlq.DeadLetter(
-                entry_id=f"task:{self.request.id}", job=str(job), stage="generate",
-                reason="malformed_chunk", message=str(exc), payload={"raw": payload},
-                worker=ctx.worker,
-            ))  # fmt: skip
+            dlq.put(
+                ctx.redis,
+                dlq.DeadLetter(
+                    entry_id=f"task:{self.request.id}",
+                    job=str(job),
+                    stage="generate",
+                    reason="malformed_chunk",
+                    message=str(exc),
+                    payload={"raw": payload},
+                    worker=ctx.worker,
+                ),
+            )
             log.error("malformed chunk %s dead-lettered: %s", self.request.id, exc)
             return {"generated": 0, "skipped": 0, "dead_lettered": 1}
         try:
@@ -45,8 +52,16 @@ def register(app: Celery, ctx: ChunkContext) -> None:
             log.exception("chunk %s failed; returning it to the queue", chunk.chunk_id)
             time.sleep(REQUEUE_PAUSE_S)
             raise Reject(exc, requeue=True) from exc
-        log.info("chunk %s of %s: %d generated, %d already done, %d dead-lettered",
-                 chunk.chunk_id, chunk.job, outcome.generated, outcome.skipped,
-                 outcome.dead_lettered)  # fmt: skip
-        return {"generated": outcome.generated, "skipped": outcome.skipped,
-                "dead_lettered": outcome.dead_lettered}  # fmt: skip
+        log.info(
+            "chunk %s of %s: %d generated, %d already done, %d dead-lettered",
+            chunk.chunk_id,
+            chunk.job,
+            outcome.generated,
+            outcome.skipped,
+            outcome.dead_lettered,
+        )
+        return {
+            "generated": outcome.generated,
+            "skipped": outcome.skipped,
+            "dead_lettered": outcome.dead_lettered,
+        }

@@ -171,16 +171,32 @@ def run_worker(options: WorkerOptions) -> None:
     heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))
     watcher.start()
     heartbeat.start()
-    log.info("generate worker %s: engine %s, %d chunks at once, Redis %s",
-             name, options.engine, concurrency, connection.redact(url))  # fmt: skip
+    log.info(
+        "generate worker %s: engine %s, %d chunks at once, Redis %s",
+        name,
+        options.engine,
+        concurrency,
+        connection.redact(url),
+    )
     try:
-        app.worker_main([
-            "worker", "--pool", "threads", "--concurrency", str(concurrency),
-            # Queues come and go through QueueGate; start on a placeholder-free set.
-            "--queues", ",".join(sorted(state.wanted())) or "regen.idle",
-            "--hostname", name, "--loglevel", options.loglevel,
-            "--without-mingle", "--without-gossip",
-        ])  # fmt: skip
+        app.worker_main(
+            [
+                "worker",
+                "--pool",
+                "threads",
+                "--concurrency",
+                str(concurrency),
+                # Queues come and go through QueueGate; start on a placeholder-free set.
+                "--queues",
+                ",".join(sorted(state.wanted())) or "regen.idle",
+                "--hostname",
+                name,
+                "--loglevel",
+                options.loglevel,
+                "--without-mingle",
+                "--without-gossip",
+            ]
+        )
     finally:
         watcher.stop()
         heartbeat.stop()

@@ -1,0 +1,144 @@
+"""Exactly-once commits of shards, with Redis as the authority on which shard holds an id.
+
+Commit protocol for a shard (the file is already durably written under its temp name):
+1. claim: one Lua script maps every id of the shard to it in the job's `committed` hash
+   and records the shard as pending with a lease, or, if any id already belongs to
+   another shard, claims nothing and names those ids (the caller drops them, rewrites the
+   temp file, and claims again);
+2. the owner renames the file into place (only while its lease has a safety margin left);
+3. finalize: one Lua script moves the shard from pending to the job's shard list, acks
+   and deletes its stream entries, and drops any dead letters of its ids (a requeued id
+   that succeeds leaves the DLQ).
+A crash between 1 and 3 leaves a pending shard; once its lease expires any consumer of
+the job resolves it from the filesystem alone: a shard in place is finalized, a missing
+one has its claims released so its results, still unacked on the stream, are written
+again. Either way no id is ever in two shards, and none is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import orjson
+import redis
+
+from common import keys
+
+# A claim is good for this long; the owner renames only with MARGIN to spare, so a
+# recovery (after expiry) never races a rename.
+LEASE_S = 120.0
+LEASE_MARGIN_S = 60.0
+
+_CLAIM_LUA = """
+local taken = {}
+for i = 3, #ARGV do
+  local owner = redis.call('HGET', KEYS[1], ARGV[i])
+  if owner and owner ~= ARGV[1] then table.insert(taken, ARGV[i]) end
+end
+if #taken > 0 then return taken end
+for i = 3, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], ARGV[1]) end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return {}
+"""
+
+# KEYS: pending, shards, stream, dlq generate, dlq tokenize
+# ARGV: shard, manifest row, group, n entries, entries..., ids...
+_FINALIZE_LUA = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0
+then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local n = tonumber(ARGV[4])
+for i = 5, 4 + n do
+  redis.call('XACK', KEYS[3], ARGV[3], ARGV[i])
+  redis.call('XDEL', KEYS[3], ARGV[i])
+end
+for i = 5 + n, #ARGV do
+  redis.call('HDEL', KEYS[4], ARGV[i])
+  redis.call('HDEL', KEYS[5], ARGV[i])
+end
+return 1
+"""
+
+# KEYS: committed, pending; ARGV: shard, owner-or-empty, ids...
+_RELEASE_LUA = """
+local raw = redis.call('HGET', KEYS[2], ARGV[1])
+if not raw then return 0 end
+if ARGV[2] ~= '' and cjson.decode(raw)['owner'] ~= ARGV[2] then return 0 end
+for i = 3, #ARGV do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class PendingShard:
+    shard: str
+    owner: str
+    lease_until: float
+    ids: list[str]
+
+    def expired(self, now: float | None = None) -> bool:
+        return (now or time.time()) > self.lease_until
+
+
+class CommitLedger:
+    """The Redis side of one job's shards."""
+
+    def __init__(self, r: redis.Redis, job: str) -> None:
+        self._r = r
+        self._job = job
+        self._claim = r.register_script(_CLAIM_LUA)
+        self._finalize = r.register_script(_FINALIZE_LUA)
+        self._release = r.register_script(_RELEASE_LUA)
+
+    def next_shard_seq(self) -> int:
+        return int(self._r.incr(keys.shard_seq(self._job)))
+
+    def owner_of(self, ids: list[str]) -> list[str | None]:
+        """The shard each id is committed (or claimed) to, None when free."""
+        if not ids:
+            return []
+        values = self._r.hmget(keys.committed(self._job), ids)
+        return [v.decode() if v is not None else None for v in values]
+
+    def pending(self) -> dict[str, PendingShard]:
+        raw = self._r.hgetall(keys.pending_shards(self._job))
+        return {k.decode(): PendingShard(**orjson.loads(v)) for k, v in raw.items()}
+
+    def claim(self, shard: str, owner: str, ids: list[str]) -> tuple[list[str], PendingShard]:
+        """Claim ids for shard; returns (ids owned by other shards, the pending record)."""
+        record = PendingShard(shard, owner, time.time() + LEASE_S, ids)
+        taken = self._claim(
+            keys=[keys.committed(self._job), keys.pending_shards(self._job)],
+            args=[shard, orjson.dumps(asdict(record)), *ids],
+        )
+        return [t.decode() for t in taken], record
+
+    def finalize(self, shard: str, manifest_row: bytes, entries: list[str], ids: list[str]) -> bool:
+        job = self._job
+        done = self._finalize(
+            keys=[
+                keys.pending_shards(job),
+                keys.shards(job),
+                keys.results_stream(job),
+                keys.dlq(job, "generate"),
+                keys.dlq(job, "tokenize"),
+            ],
+            args=[shard, manifest_row, keys.TOKENIZE_GROUP, len(entries), *entries, *ids],
+        )
+        return bool(done)
+
+    def release(self, pending: PendingShard, *, owner: str | None = None) -> bool:
+        """Undo a claim whose shard never reached its place (owner: only if still ours)."""
+        done = self._release(
+            keys=[keys.committed(self._job), keys.pending_shards(self._job)],
+            args=[pending.shard, owner or "", *pending.ids],
+        )
+        return bool(done)
+
+    def shards(self) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in self._r.hgetall(keys.shards(self._job)).items()}

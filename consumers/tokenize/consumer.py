@@ -1,0 +1,240 @@
+"""The tokenize consumer loop: read results of one or more jobs, write shards, commit.
+
+Results are read with a Redis Streams consumer group (atomic claim, per-entry ack), so
+several consumers can share a job; entries a dead consumer held are taken over with
+XAUTOCLAIM once idle for longer than any live consumer keeps a shard open.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from common import defaults, jobspec, keys
+from common.chat_family import detect_family
+from common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from consumers.tokenize.job_writer import JobWriter, ShardPolicy
+from consumers.tokenize.record import RecordContext
+
+log = logging.getLogger("regen.tokenize")
+
+RECOVER_INTERVAL_S = 30.0
+DISK_POLL_S = 2.0
+
+
+@dataclass
+class TokenizeOptions:
+    out_dir: Path
+    jobs: list[str] = field(default_factory=list)
+    policy: ShardPolicy = field(default_factory=ShardPolicy)
+    on_truncated: str = "dlq"
+    drift_check: bool = True
+    # Pause (not crash, not write partial files) while the shard folder has less free.
+    min_free_bytes: int = 2 * 1024**3
+    batch: int = 256
+    block_ms: int = 1000
+    # Entries another consumer holds longer than this are taken over: above the longest
+    # a live consumer keeps a shard open.
+    claim_idle_s: float = 900.0
+
+
+@dataclass
+class ConsumerState:
+    paused_for_disk: bool = False
+    free_bytes: int = 0
+    writers: dict[str, JobWriter] = field(default_factory=dict)
+
+
+def free_bytes(folder: Path) -> int:
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
+
+
+class TokenizeConsumer:
+    def __init__(self, r: redis.Redis, options: TokenizeOptions, name: str) -> None:
+        self._r = r
+        self._options = options
+        self.name = name
+        self.state = ConsumerState()
+        self._last_seen: dict[str, float] = {}
+        self._next_recover = 0.0
+        self._next_claim = 0.0
+        self._refused: set[str] = set()
+        options.out_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- jobs ----------------------------------------------------------------------
+
+    def _refresh_jobs(self) -> None:
+        wanted = self._options.jobs or jobspec.list_jobs(self._r)
+        for job in wanted:
+            if job not in self.state.writers and job not in self._refused:
+                writer = self._open_job(job)
+                if writer is not None:
+                    self.state.writers[job] = writer
+
+    def _open_job(self, job: str) -> JobWriter | None:
+        spec = jobspec.load(self._r, job)
+        tok = load_tokenizer(
+            spec.model,
+            tokenizer=spec.tokenizer if spec.tokenizer != spec.model else None,
+            trust_remote_code=spec.trust_remote_code,
+        )
+        if tokenizer_fingerprint(tok) != spec.tokenizer_fingerprint:
+            # Records would be checked against a different tokenizer than the prompts.
+            log.error("job %s: the tokenizer here differs from the producer's; skipping it", job)
+            self._refused.add(job)
+            return None
+        context = RecordContext(
+            spec=spec,
+            tokenizer=tok,
+            family=detect_family(tok),
+            on_truncated=self._options.on_truncated,
+            drift_check=self._options.drift_check,
+        )
+        folder = self._options.out_dir / job
+        try:
+            self._r.xgroup_create(
+                keys.results_stream(job), keys.TOKENIZE_GROUP, id="0", mkstream=True
+            )
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._r.hset(
+            keys.TOKENIZE_OUTPUTS,
+            job,
+            orjson.dumps(
+                {"dir": str(folder.resolve()), "host": os.uname().nodename, "worker": self.name}
+            ),
+        )
+        writer = JobWriter(self._r, job, folder, self.name, context, self._options.policy)
+        writer.recover(self._live_owners())
+        self._last_seen[job] = time.monotonic()
+        log.info("tokenizing job %s into %s", job, folder)
+        return writer
+
+    def _live_owners(self) -> set[str]:
+        now = time.time()
+        owners = set()
+        for name, raw in self._r.hgetall(keys.WORKERS).items():
+            beat = orjson.loads(raw)
+            if now - beat.get("last_seen", 0) < defaults.HEARTBEAT_STALE_S:
+                owners.add(name.decode())
+        return owners
+
+    # --- the loop ------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                self.step()
+        finally:
+            self.commit_all()
+
+    def step(self) -> None:
+        """One round: housekeeping, a blocking read, commits that are due."""
+        now = time.monotonic()
+        if now >= self._next_recover:
+            self._next_recover = now + RECOVER_INTERVAL_S
+            self._refresh_jobs()
+            live = self._live_owners()
+            for writer in self.state.writers.values():
+                writer.recover(live)
+        if not self._disk_ok():
+            time.sleep(DISK_POLL_S)
+            return
+        if not self.state.writers:
+            time.sleep(self._options.block_ms / 1000)
+            self._next_recover = 0.0
+            return
+        if now >= self._next_claim:
+            self._next_claim = now + min(self._options.claim_idle_s / 3, 60.0)
+            self._take_over_idle()
+        self._read()
+        now = time.monotonic()
+        for job, writer in self.state.writers.items():
+            if writer.due(now - self._last_seen[job]):
+                self._commit(writer)
+
+    def _read(self) -> None:
+        streams = {w.stream: ">" for w in self.state.writers.values()}
+        replies = self._r.xreadgroup(
+            keys.TOKENIZE_GROUP,
+            self.name,
+            streams,  # type: ignore[arg-type]
+            count=self._options.batch,
+            block=self._options.block_ms,
+        )
+        by_stream = {w.stream: w for w in self.state.writers.values()}
+        for stream, entries in replies or []:
+            writer = by_stream[stream.decode() if isinstance(stream, bytes) else stream]
+            self._last_seen[writer.job] = time.monotonic()
+            self._take(writer, entries)
+
+    def _take(self, writer: JobWriter, entries: list[Any]) -> None:
+        decoded = [(eid.decode(), fields or None) for eid, fields in entries]
+        try:
+            writer.take(decoded)
+        except OSError as exc:  # disk full mid-write: drop the shard, pause, retry later
+            log.error("%s: writing failed (%s); abandoning the open shard", writer.job, exc)
+            writer.abandon()
+
+    def _take_over_idle(self) -> None:
+        idle_ms = int(self._options.claim_idle_s * 1000)
+        for writer in self.state.writers.values():
+            cursor = "0-0"
+            while True:
+                reply = self._r.xautoclaim(
+                    writer.stream,
+                    keys.TOKENIZE_GROUP,
+                    self.name,
+                    idle_ms,
+                    start_id=cursor,
+                    count=500,
+                )
+                cursor, entries = reply[0], reply[1]
+                if entries:
+                    log.warning(
+                        "%s: took over %d results idle for over %.0f s",
+                        writer.job,
+                        len(entries),
+                        self._options.claim_idle_s,
+                    )
+                    self._take(writer, entries)
+                if cursor in (b"0-0", "0-0"):
+                    break
+
+    def _commit(self, writer: JobWriter) -> None:
+        try:
+            writer.commit()
+        except OSError as exc:
+            log.error("%s: committing failed (%s); its results come back", writer.job, exc)
+            writer.abandon()
+
+    def commit_all(self) -> None:
+        for writer in self.state.writers.values():
+            self._commit(writer)
+
+    def _disk_ok(self) -> bool:
+        free = free_bytes(self._options.out_dir)
+        self.state.free_bytes = free
+        ok = free >= self._options.min_free_bytes
+        if ok == self.state.paused_for_disk:  # state changes: say so once
+            if ok:
+                log.warning("disk space is back (%d MB free): resuming", free >> 20)
+            else:
+                log.error(
+                    "only %d MB free at %s (need %d MB): paused until space returns",
+                    free >> 20,
+                    self._options.out_dir,
+                    self._options.min_free_bytes >> 20,
+                )
+        self.state.paused_for_disk = not ok
+        return ok

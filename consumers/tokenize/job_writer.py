@@ -1,0 +1,255 @@
+"""One job's side of a tokenize consumer: results in, records into shards, commits out.
+
+Stream entries are acknowledged only when the shard holding their record is in place
+and committed (DESIGN.md invariant 3), or at once when their id is already in a
+committed shard (a duplicate from a chunk that ran twice). An entry whose id is claimed
+by a shard that is still pending is left alone: it is either committed (then a later
+delivery is a duplicate) or released (then it is written again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from common import dlq, keys
+from common.results import GeneratedResult
+from consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
+from consumers.tokenize.record import CheckFailed, RecordContext, build_record
+from consumers.tokenize.shard_writer import (
+    OpenShard,
+    append_manifest,
+    describe,
+    leftover_owner,
+    owner_token,
+    place,
+    read_manifest,
+    rewrite_without,
+    shard_name,
+    tmp_path,
+)
+
+log = logging.getLogger("regen.tokenize")
+
+
+@dataclass(frozen=True)
+class ShardPolicy:
+    """When an open shard is closed and committed."""
+
+    max_rows: int = 100_000
+    # Uncompressed bytes; a few hundred MB suits training loaders' shuffling buffers.
+    max_bytes: int = 256 * 1024 * 1024
+    # Oldest a shard stays open: bounds how long results wait unacknowledged.
+    max_age_s: float = 300.0
+    # Commit an open shard once no result has arrived for this long.
+    idle_s: float = 10.0
+
+
+@dataclass
+class WriterCounters:
+    records: int = 0
+    tokens: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    shards: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class JobWriter:
+    def __init__(
+        self,
+        r: redis.Redis,
+        job: str,
+        folder: Path,
+        owner: str,
+        context: RecordContext,
+        policy: ShardPolicy,
+    ) -> None:
+        self.job = job
+        self.folder = folder
+        self.owner = owner
+        self.counters = WriterCounters()
+        self._r = r
+        self._ledger = CommitLedger(r, job)
+        self._context = context
+        self._policy = policy
+        self._shard: OpenShard | None = None
+        # Stream entries per id in the open shard, acked when it commits.
+        self._entries: dict[str, list[str]] = {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def stream(self) -> str:
+        return keys.results_stream(self.job)
+
+    @property
+    def open_rows(self) -> int:
+        return self._shard.rows if self._shard else 0
+
+    # --- taking results ----------------------------------------------------------
+
+    def take(self, entries: list[tuple[str, dict[bytes, bytes] | None]]) -> None:
+        """Handle a batch of stream entries (id, fields); fields None = deleted entry."""
+        results = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted after a commit: nothing left to do
+                self._ack([entry_id])
+                continue
+            results.append((entry_id, GeneratedResult.from_fields(fields)))
+        owners = self._ledger.owner_of([res.id for _, res in results])
+        pending = set(self._ledger.pending()) if any(owners) else set()
+        for (entry_id, result), owner in zip(results, owners, strict=True):
+            if owner is not None:
+                if owner in pending:
+                    continue  # decided when that shard commits or is released
+                self.counters.duplicates += 1
+                self._ack([entry_id])
+            elif result.id in self._entries:
+                self._entries[result.id].append(entry_id)  # a duplicate in this shard
+                self.counters.duplicates += 1
+            else:
+                self._write(entry_id, result)
+
+    def _write(self, entry_id: str, result: GeneratedResult) -> None:
+        try:
+            record = build_record(result, self._context)
+        except CheckFailed as exc:
+            self._dead_letter(entry_id, result, exc)
+            return
+        if self._shard is None:
+            name = shard_name(self._ledger.next_shard_seq())
+            self._shard = OpenShard(self.folder, name, self.owner)
+        self._shard.add(record)
+        self._entries[result.id] = [entry_id]
+        self.counters.records += 1
+        self.counters.tokens += len(record["input_ids"])
+
+    def _dead_letter(self, entry_id: str, result: GeneratedResult, exc: CheckFailed) -> None:
+        keep_payload = exc.reason != "truncated_dropped"
+        pipe = self._r.pipeline()
+        dlq.put(
+            pipe,
+            dlq.DeadLetter(
+                entry_id=result.id,
+                job=self.job,
+                stage="tokenize",
+                reason=exc.reason,
+                message=exc.message,
+                prompt_id=result.id,
+                source=result.source,
+                attempts=result.attempt + 1,
+                worker=self.owner,
+                payload={"result": result.__dict__} if keep_payload else {},
+            ),
+        )
+        pipe.xack(self.stream, keys.TOKENIZE_GROUP, entry_id)
+        pipe.xdel(self.stream, entry_id)
+        pipe.execute()
+        self.counters.dead_lettered += 1
+        by_reason = self.counters.by_reason
+        by_reason[exc.reason] = by_reason.get(exc.reason, 0) + 1
+
+    def _ack(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            pipe = self._r.pipeline()
+            pipe.xack(self.stream, keys.TOKENIZE_GROUP, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)
+            pipe.execute()
+
+    # --- committing --------------------------------------------------------------
+
+    def due(self, idle_for_s: float) -> bool:
+        shard = self._shard
+        if shard is None or shard.rows == 0:
+            return False
+        policy = self._policy
+        return (
+            shard.rows >= policy.max_rows
+            or shard.uncompressed_bytes >= policy.max_bytes
+            or shard.age_s() >= policy.max_age_s
+            or idle_for_s >= policy.idle_s
+        )
+
+    def commit(self) -> None:
+        """Close the open shard and commit it (see commit.py for the protocol)."""
+        shard, self._shard = self._shard, None
+        entries, self._entries = self._entries, {}
+        if shard is None:
+            return
+        info = shard.close_durably()
+        while True:
+            taken, claim = self._ledger.claim(shard.name, self.owner, sorted(shard.ids))
+            if not taken:
+                break
+            # Another consumer holds some ids: leave their entries unacknowledged (they
+            # are re-read later and dropped if that shard commits) and write the rest.
+            for pid in taken:
+                entries.pop(pid, None)
+            info = rewrite_without(shard, set(taken))
+            if not shard.ids:
+                shard.abort()
+                return
+        if claim.lease_until - LEASE_MARGIN_S < time.time():
+            # Too slow to rename safely: undo; the entries come back to a consumer.
+            self._ledger.release(claim, owner=self.owner)
+            shard.abort()
+            log.warning("shard %s of %s abandoned: claim lease ran short", shard.name, self.job)
+            return
+        place(self.folder, info, self.owner)
+        acked = [e for pid in shard.ids for e in entries.get(pid, [])]
+        self._ledger.finalize(shard.name, info.to_json(), acked, sorted(shard.ids))
+        self.counters.shards += 1
+        log.info(
+            "%s: shard %s in place (%d rows, %d bytes)", self.job, shard.name, info.rows, info.bytes
+        )
+
+    def abandon(self) -> None:
+        """Drop the open shard without committing (disk error); its entries come back."""
+        if self._shard is not None:
+            self._shard.abort()
+        self._shard, self._entries = None, {}
+
+    # --- recovery ----------------------------------------------------------------
+
+    def recover(self, live_owners: set[str]) -> None:
+        """Resolve expired pending shards and remove dead writers' temporary files.
+
+        Reads the pending records and lists the folder: its cost does not grow with the
+        shards' content (only a shard whose manifest line was torn is re-read).
+        """
+        pending = self._ledger.pending()
+        for claim in pending.values():
+            if claim.expired():
+                self._resolve(claim)
+        live = {owner_token(o) for o in live_owners} | {owner_token(self.owner)}
+        unexpired = {owner_token(c.owner) for c in pending.values() if not c.expired()}
+        for path in self.folder.iterdir():
+            token = leftover_owner(path)
+            if token is not None and token not in live and token not in unexpired:
+                log.warning("%s: removing leftover %s", self.job, path.name)
+                path.unlink(missing_ok=True)
+
+    def _resolve(self, claim: PendingShard) -> None:
+        final = self.folder / claim.shard
+        if final.exists():
+            manifest = read_manifest(self.folder)
+            info = manifest.get(claim.shard) or describe(final)
+            if claim.shard not in manifest:
+                append_manifest(self.folder, info)
+            self._ledger.finalize(claim.shard, info.to_json(), [], claim.ids)
+            log.warning(
+                "%s: finished the commit of %s left by %s", self.job, claim.shard, claim.owner
+            )
+        else:
+            self._ledger.release(claim)
+            tmp_path(self.folder, claim.shard, claim.owner).unlink(missing_ok=True)
+            log.warning(
+                "%s: released %s, never placed by %s; its results will be written again",
+                self.job,
+                claim.shard,
+                claim.owner,
+            )

@@ -1,0 +1,226 @@
+"""The shard writer owns a job's shard files: naming, temp-then-rename, rollover, manifest.
+
+A shard is zstd-compressed JSON Lines written with orjson. It is streamed to a hidden
+temporary name while open (memory stays flat however large it grows), fsynced, then
+renamed into place and the folder fsynced, so a reader never sees a partial shard. Each
+shard in place has a line in `manifest.jsonl` (rows, tokens, bytes, sha256), appended and
+fsynced after the rename; recovery re-derives a missing line from the shard itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import zstandard
+
+MANIFEST = "manifest.jsonl"
+TMP_SUFFIX = ".tmp"
+ZSTD_LEVEL = 3
+
+
+def shard_name(seq: int) -> str:
+    return f"shard-{seq:06d}.jsonl.zst"
+
+
+def tmp_path(folder: Path, name: str, owner: str) -> Path:
+    """Hidden while written, and named after its writer so that a consumer starting up
+    can tell a dead writer's leftovers from a live one's open shard."""
+    return folder / f".{name}.{owner_token(owner)}{TMP_SUFFIX}"
+
+
+def owner_token(owner: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in owner)
+
+
+def leftover_owner(path: Path) -> str | None:
+    """The writer token of a temporary shard file, None for any other file."""
+    name = path.name
+    if not (name.startswith(".shard-") and name.endswith(TMP_SUFFIX)):
+        return None
+    return name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One manifest line."""
+
+    shard: str
+    rows: int
+    prompt_tokens: int
+    completion_tokens: int
+    uncompressed_bytes: int
+    bytes: int
+    sha256: str
+    created: float
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+
+class OpenShard:
+    """A shard being written: records stream through zstd into the temporary file."""
+
+    def __init__(self, folder: Path, name: str, owner: str, path: Path | None = None) -> None:
+        self.folder = folder
+        self.name = name
+        self.owner = owner
+        self.path = path or tmp_path(folder, name, owner)
+        self.opened = time.monotonic()
+        self.ids: set[str] = set()
+        self.rows = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.uncompressed_bytes = 0
+        self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
+        self._hash = hashlib.sha256()
+        self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(
+            _HashingWriter(self._file, self._hash), closefd=False
+        )
+
+    def add(self, record: dict[str, Any]) -> None:
+        line = orjson.dumps(record) + b"\n"
+        self._zstd.write(line)
+        self.ids.add(record["id"])
+        self.rows += 1
+        self.prompt_tokens += int(record["prompt_tokens"])
+        self.completion_tokens += int(record["completion_tokens"])
+        self.uncompressed_bytes += len(line)
+
+    def age_s(self) -> float:
+        return time.monotonic() - self.opened
+
+    def close_durably(self) -> ShardInfo:
+        """Finish the zstd frame and fsync the temporary file; it is not in place yet."""
+        self._zstd.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return ShardInfo(
+            shard=self.name,
+            rows=self.rows,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            uncompressed_bytes=self.uncompressed_bytes,
+            bytes=size,
+            sha256=self._hash.hexdigest(),
+            created=time.time(),
+        )
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+class _HashingWriter:
+    """File wrapper that hashes the compressed bytes as they are written."""
+
+    def __init__(self, file: IO[bytes], digest: Any) -> None:
+        self._file = file
+        self._digest = digest
+
+    def write(self, data: bytes) -> int:
+        self._digest.update(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def rewrite_without(shard: OpenShard, drop: set[str]) -> ShardInfo:
+    """Rewrite a durably closed temporary shard without `drop` (ids another shard won).
+
+    Rare: only when two consumers held the same id at once.
+    """
+    staging = shard.path.with_name(shard.path.name + ".rewrite")
+    fresh = OpenShard(shard.folder, shard.name, shard.owner, path=staging)
+    for record in iter_records(shard.path):
+        if record["id"] not in drop:
+            fresh.add(record)
+    info = fresh.close_durably()
+    os.replace(staging, shard.path)
+    shard.ids -= drop
+    return info
+
+
+def place(folder: Path, info: ShardInfo, owner: str) -> Path:
+    """Rename a durably closed shard into place and record it in the manifest."""
+    final = folder / info.shard
+    os.replace(tmp_path(folder, info.shard, owner), final)
+    fsync_dir(folder)
+    append_manifest(folder, info)
+    return final
+
+
+def append_manifest(folder: Path, info: ShardInfo) -> None:
+    with open(folder / MANIFEST, "ab") as fh:
+        fh.write(info.to_json() + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_manifest(folder: Path) -> dict[str, ShardInfo]:
+    """Manifest lines by shard; a torn last line (crash mid-append) is ignored."""
+    path = folder / MANIFEST
+    out: dict[str, ShardInfo] = {}
+    if not path.exists():
+        return out
+    for line in path.read_bytes().splitlines():
+        try:
+            info = ShardInfo(**orjson.loads(line))
+        except (orjson.JSONDecodeError, TypeError):
+            continue
+        out[info.shard] = info
+    return out
+
+
+def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Stream the records of a shard (for verify, stats, export and rare rewrites)."""
+    with open(path, "rb") as fh:
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
+        buffer = b""
+        while chunk := reader.read(1 << 20):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line:
+                    yield orjson.loads(line)
+        if buffer.strip():
+            yield orjson.loads(buffer)
+
+
+def describe(path: Path) -> ShardInfo:
+    """A manifest line rebuilt from a shard in place (recovery after a crash mid-append)."""
+    rows = prompt_tokens = completion_tokens = uncompressed = 0
+    for record in iter_records(path):
+        rows += 1
+        prompt_tokens += int(record["prompt_tokens"])
+        completion_tokens += int(record["completion_tokens"])
+        uncompressed += len(orjson.dumps(record)) + 1
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return ShardInfo(
+        shard=path.name,
+        rows=rows,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        uncompressed_bytes=uncompressed,
+        bytes=path.stat().st_size,
+        sha256=digest,
+        created=path.stat().st_mtime,
+    )

@@ -1,0 +1,204 @@
+"""The producer against a real Redis and real tokenizers: shapes, dedupe, DLQ, spec."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import redis
+import zstandard
+from click.testing import CliRunner
+
+from common import dlq, jobspec, keys
+from common.celery_app import make_app
+from common.chat_family import render_prompt_ids
+from producer.enqueue import Enqueuer, EnqueueStats
+from producer.spec import JobOptions, prepare_job
+from regen.cli import main
+from tests.helpers import queued_chunks, user_rows, write_jsonl
+
+
+def enqueue(
+    url: str, paths: list[Path], *, high_water: int = 10_000, limit: int | None = None,
+    **options: Any,
+) -> EnqueueStats:  # fmt: skip
+    options.setdefault("job", "j")
+    options.setdefault("model", "smollm2")
+    options.setdefault("max_new_tokens", 64)
+    prepared = prepare_job(JobOptions(**options))
+    r = redis.Redis.from_url(url)
+    jobspec.save(r, prepared.spec)
+    enqueuer = Enqueuer(r, make_app(url), prepared, high_water=high_water)
+    return enqueuer.run(paths, limit=limit)
+
+
+def queued_prompts(r: redis.Redis, job: str = "j") -> list[dict[str, Any]]:
+    spec = jobspec.load(r, job)
+    return [p for chunk in queued_chunks(r, spec.queue) for p in chunk["prompts"]]
+
+
+SHAPES = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                       {"from": "human", "value": "tell me a joke"},
+                       {"from": "gpt", "value": "old answer to regenerate"}]},
+    {"conversations": [{"role": "user", "content": "Name three colours."}]},
+    {"instruction": "Translate to German", "input": "Good morning"},
+    {"prompt": "Write a haiku about the sea."},
+    {"question": "Why is the sky blue?"},
+    {"text": "Summarise the plot of Hamlet."},
+]  # fmt: skip
+
+
+def test_every_shape_and_format_is_enqueued_token_exact(
+    redis_url: str, r: redis.Redis, tmp_path: Path, smollm2_tokenizer: Any
+) -> None:
+    jsonl = write_jsonl(tmp_path / "shapes.jsonl", SHAPES)
+    more = [{"prompt": f"Format check {i}"} for i in range(4)]
+    zst = tmp_path / "a.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(
+        b"".join(orjson.dumps(more[0]) + b"\n" for _ in range(1))))  # fmt: skip
+    gz = tmp_path / "b.jsonl.gz"
+    gz.write_bytes(gzip.compress(orjson.dumps(more[1]) + b"\n"))
+    arr = tmp_path / "c.json"
+    arr.write_text(json.dumps([more[2]]))
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Format check 3"}]]}),
+                   parquet)  # fmt: skip
+
+    stats = enqueue(redis_url, [jsonl, zst, gz, arr, parquet], chunk_size=3)
+
+    assert stats.enqueued == len(SHAPES) + 4 and stats.rejected == 0
+    prompts = queued_prompts(r)
+    assert len(prompts) == stats.enqueued
+    spec = jobspec.load(r, "j")
+    for prompt in prompts:
+        # The ids the server gets are the template render of exactly these messages.
+        assert prompt["prompt_ids"] == render_prompt_ids(
+            smollm2_tokenizer, prompt["messages"], spec.chat_template_kwargs
+        )
+        assert prompt["messages"][-1]["role"] == "user"
+    by_file = {Path(p["source"]["file"]).name for p in prompts}
+    assert by_file == {"shapes.jsonl", "a.jsonl.zst", "b.jsonl.gz", "c.json", "d.parquet"}
+    sharegpt = next(p for p in prompts if p["messages"][-1]["content"] == "tell me a joke")
+    assert [m["role"] for m in sharegpt["messages"]] == ["user", "assistant", "user"]
+    assert sharegpt["source"]["row"] == 2
+    assert all(len(c["prompts"]) <= 3 for c in queued_chunks(r, spec.queue))
+
+
+def test_duplicates_collapse_within_and_across_calls(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    first = write_jsonl(tmp_path / "first.jsonl", [
+        {"prompt": "Hello there"}, {"prompt": "  Hello there \r\n"},
+        {"messages": [{"role": "user", "content": "Hello there"}]}, {"prompt": "Other"},
+    ])  # fmt: skip
+    stats = enqueue(redis_url, [first], chunk_size=2)
+    assert (stats.enqueued, stats.duplicates) == (2, 2)
+
+    second = write_jsonl(tmp_path / "second.jsonl", [
+        {"prompt": "Other"}, {"prompt": "Hello there"}, {"prompt": "Brand new"},
+    ])  # fmt: skip
+    stats = enqueue(redis_url, [second], chunk_size=2)
+    assert (stats.enqueued, stats.duplicates) == (1, 2)
+    ids = [p["id"] for p in queued_prompts(r)]
+    assert len(ids) == len(set(ids)) == 3
+    assert r.scard(keys.job_ids("j")) == 3
+
+
+def test_a_different_spec_is_refused(redis_url: str, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", user_rows(3))
+    enqueue(redis_url, [data])
+    with pytest.raises(jobspec.JobSpecMismatch, match="max_new_tokens"):
+        enqueue(redis_url, [data], max_new_tokens=65)
+
+    result = CliRunner().invoke(main, [
+        "enqueue", str(data), "--job", "j", "--model", "smollm2", "--max-new-tokens", "64",
+        "--temperature", "0.7", "--redis-url", redis_url,
+    ])  # fmt: skip
+    assert result.exit_code != 0
+    assert "already exists with different settings" in result.output
+    assert "temperature" in result.output
+
+
+def test_bad_rows_go_to_the_input_dlq_and_good_rows_go_on(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        b'{"prompt": "good one"}',
+        b'{"prompt": "broken json"',
+        b'{"prompt": "bad bytes \xff\xfe"}',
+        b'{"messages": [{"role": "assistant", "content": "no user here"}]}',
+        b'{"messages": [{"role": "user", "content": "   "}]}',
+        b'{"messages": "not a list"}',
+        b'[1, 2, 3]',
+        b'{"something": "else"}',
+        b'{"prompt": "good two"}',
+    ]  # fmt: skip
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+    stats = enqueue(redis_url, [path])
+
+    assert stats.enqueued == 2 and stats.rejected == 7
+    letters = {d.source["row"]: d for d in dlq.entries(r, "j", "input")}
+    assert {row: d.reason for row, d in letters.items()} == {
+        2: "invalid_json", 3: "undecodable", 4: "no_user_turn", 5: "empty_content",
+        6: "wrong_type", 7: "not_an_object", 8: "unknown_shape",
+    }  # fmt: skip
+    assert all(d.source["file"] == str(path) and d.message for d in letters.values())
+    # A rerun (after a crash, say) rewrites the same entries instead of adding more.
+    r.delete(keys.job_cursors("j"))
+    enqueue(redis_url, [path])
+    assert dlq.count(r, "j", "input") == 7
+
+
+def test_prompts_too_long_for_the_limit_or_the_context_are_dead_lettered(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "short"}, {"prompt": "long " * 200},
+    ])  # fmt: skip
+    stats = enqueue(redis_url, [path], max_prompt_tokens=100)
+    assert (stats.enqueued, stats.rejected) == (1, 1)
+    (letter,) = list(dlq.entries(r, "j", "input"))
+    assert letter.reason == "prompt_too_long" and "allows 100" in letter.message
+    # Accounted for: the id is in the job, so a rerun does not send it either.
+    assert r.sismember(keys.job_ids("j"), letter.prompt_id)
+
+    stats = enqueue(redis_url, [path], job="ctx", context_length=300, max_new_tokens=250)
+    assert stats.rejected == 1
+    (letter,) = list(dlq.entries(r, "ctx", "input"))
+    assert "context 300 - max_new_tokens 250" in letter.message
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_kimi_thinking_switch_reaches_the_prompt_ids(
+    redis_url: str, r: redis.Redis, tmp_path: Path, kimi_tokenizer_dir: Path, thinking: bool
+) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", SHAPES[:2])
+    enqueue(redis_url, [path], model=str(kimi_tokenizer_dir), trust_remote_code=True,
+            thinking=thinking)  # fmt: skip
+    spec = jobspec.load(r, "j")
+    assert spec.chat_family == "kimi"
+    assert spec.chat_template_kwargs == {"thinking": thinking}
+    for prompt in queued_prompts(r):
+        # ...<|im_middle|> 163601, <think> 163606 (, </think> 163607 when thinking is off)
+        expected = [163601, 163606] if thinking else [163601, 163606, 163607]
+        assert prompt["prompt_ids"][-len(expected):] == expected
+
+
+def test_a_rerun_resumes_from_the_cursor(redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", user_rows(20))
+    first = enqueue(redis_url, [path], chunk_size=4, limit=10)
+    assert first.enqueued == 10
+    second = enqueue(redis_url, [path], chunk_size=4)
+    assert second.rows_resumed == 10 and second.rows_read == 10 and second.enqueued == 10
+    ids = [p["id"] for p in queued_prompts(r)]
+    assert len(ids) == len(set(ids)) == 20
