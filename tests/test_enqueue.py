@@ -191,7 +191,7 @@ def test_kimi_thinking_switch_reaches_the_prompt_ids(
     for prompt in queued_prompts(r):
         # ...<|im_middle|> 163601, <think> 163606 (, </think> 163607 when thinking is off)
         expected = [163601, 163606] if thinking else [163601, 163606, 163607]
-        assert prompt["prompt_ids"][-len(expected):] == expected
+        assert prompt["prompt_ids"][-len(expected) :] == expected
 
 
 def test_a_rerun_resumes_from_the_cursor(redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
