@@ -7,7 +7,7 @@ import os
 
 import click
 
-from regen import cli_enqueue, cli_redis, cli_worker
+from regen import cli_enqueue, cli_redis, cli_shards, cli_worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -38,3 +38,4 @@ def demo() -> None:
 main.add_command(cli_redis.redis_group)
 main.add_command(cli_enqueue.enqueue)
 main.add_command(cli_worker.worker_group)
+main.add_command(cli_shards.shards_group)

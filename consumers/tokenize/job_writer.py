@@ -19,7 +19,7 @@ import redis
 from common import dlq, keys
 from common.results import GeneratedResult
 from consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
-from consumers.tokenize.record import CheckFailed, RecordContext, build_record
+from consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
 from consumers.tokenize.shard_writer import (
     OpenShard,
     append_manifest,
@@ -129,7 +129,7 @@ class JobWriter:
         self.counters.tokens += len(record["input_ids"])
 
     def _dead_letter(self, entry_id: str, result: GeneratedResult, exc: CheckFailed) -> None:
-        keep_payload = exc.reason != "truncated_dropped"
+        keep_payload = exc.reason != Reason.TRUNCATED_DROPPED
         pipe = self._r.pipeline()
         dlq.put(
             pipe,
@@ -204,7 +204,11 @@ class JobWriter:
         self._ledger.finalize(shard.name, info.to_json(), acked, sorted(shard.ids))
         self.counters.shards += 1
         log.info(
-            "%s: shard %s in place (%d rows, %d bytes)", self.job, shard.name, info.rows, info.bytes
+            "%s: shard %s in place (%d rows, %d bytes)",
+            self.job,
+            shard.name,
+            info.rows,
+            info.compressed_bytes,
         )
 
     def abandon(self) -> None:

@@ -64,7 +64,7 @@ class ShardInfo:
     prompt_tokens: int
     completion_tokens: int
     uncompressed_bytes: int
-    bytes: int
+    compressed_bytes: int
     sha256: str
     created: float
 
@@ -117,7 +117,7 @@ class OpenShard:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             uncompressed_bytes=self.uncompressed_bytes,
-            bytes=size,
+            compressed_bytes=size,
             sha256=self._hash.hexdigest(),
             created=time.time(),
         )
@@ -169,8 +169,14 @@ def place(folder: Path, info: ShardInfo, owner: str) -> Path:
 
 
 def append_manifest(folder: Path, info: ShardInfo) -> None:
-    with open(folder / MANIFEST, "ab") as fh:
-        fh.write(info.to_json() + b"\n")
+    with open(folder / MANIFEST, "a+b") as fh:
+        # A crash mid-append leaves a torn last line: start on a fresh line so this one
+        # stays readable (read_manifest skips the torn one).
+        torn = False
+        if fh.seek(0, os.SEEK_END) > 0:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+        fh.write((b"\n" if torn else b"") + info.to_json() + b"\n")
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -220,7 +226,7 @@ def describe(path: Path) -> ShardInfo:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         uncompressed_bytes=uncompressed,
-        bytes=path.stat().st_size,
+        compressed_bytes=path.stat().st_size,
         sha256=digest,
         created=path.stat().st_mtime,
     )

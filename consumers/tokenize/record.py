@@ -1,0 +1,294 @@
+"""One generated result to one training record, checked on the way.
+
+A record (one JSON line in a shard, schema `regen.record/1`):
+
+- `schema`: "regen.record/1"; bumped whenever a field changes meaning or goes away.
+- `id`: the prompt id (stable, derived from the prompt's content); unique within a job.
+- `job`: the job name.
+- `model`: the target model that generated the answer (the job spec's `model`).
+- `messages`: the prompt messages as rendered (system prompt included), then the
+  regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r}`;
+  `reasoning_content` is present only when the output had a think span. Text is the
+  server's (special tokens skipped unless the job's sampling says otherwise).
+- `input_ids`: the prompt ids exactly as sent, then the output ids exactly as generated
+  (the matched stop token included). Never re-tokenized.
+- `loss_mask`: one entry per input id: 0 for each prompt token, 1 for each generated
+  token (the end-of-turn token included).
+- `prompt_tokens`, `completion_tokens`: how many of `input_ids` are prompt and output.
+- `finish_reason`: "stop" (a stop token or string ended the turn) or "length"
+  (max_new_tokens or the context ran out; kept only with `on_truncated=keep`).
+- `sampling`: the SGLang sampling params sent (the job spec's).
+- `chat_template_kwargs`: the template kwargs the prompt was rendered with.
+- `source`: where the prompt came from (file and row).
+- `drift`: whether re-rendering `messages` with the chat template gives ids other than
+  `input_ids` (compared over `input_ids`' length); null when the check was off.
+- `drift_at`: the first index where they differ, or null.
+- `server`: the inference server that generated it; `generated_by`: the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.chat_family import (
+    ChatFamily,
+    ChatTemplateError,
+    ThinkState,
+    prompt_opens_think,
+    render_conversation_ids,
+    render_prompt_ids,
+    split_reasoning,
+    think_state,
+)
+from common.jobspec import JobSpec
+from common.results import GeneratedResult
+
+RECORD_SCHEMA = "regen.record/1"
+# Field -> accepted JSON types, for readers that validate (shards verify).
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,), "id": (str,), "job": (str,), "model": (str,), "messages": (list,),
+    "input_ids": (list,), "loss_mask": (list,), "prompt_tokens": (int,),
+    "completion_tokens": (int,), "finish_reason": (str,), "sampling": (dict,),
+    "chat_template_kwargs": (dict,), "source": (dict,), "drift": (bool, type(None)),
+    "drift_at": (int, type(None)), "server": (str,), "generated_by": (str,),
+}  # fmt: skip
+FINISH_REASONS = frozenset({"stop", "length"})
+ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
+# SGLang's detokenizer decodes an unfinished UTF-8 sequence as U+FFFD.
+_REPLACEMENT = "\ufffd"
+
+
+class Reason:
+    """Why a result gives no record: the tokenize stage's DLQ reasons, all in one place."""
+
+    ABORTED = "aborted"
+    UNKNOWN_FINISH_REASON = "unknown_finish_reason"
+    COUNT_MISMATCH = "count_mismatch"
+    STOP_MISMATCH = "stop_mismatch"  # finish says a stop token matched, output ends otherwise
+    TEXT_MISMATCH = "text_mismatch"
+    TRUNCATED = "truncated"
+    TRUNCATED_DROPPED = "truncated_dropped"  # not dead-lettered: the stage notes the id only
+    UNEXPECTED_THINKING = "unexpected_thinking"
+    MISSING_THINKING = "missing_thinking"
+    UNCLOSED_THINKING = "unclosed_thinking"
+    EMPTY_ANSWER = "empty_answer"
+    RENDER_FAILED = "render_failed"  # the template cannot re-render its own output
+
+
+class CheckFailed(Exception):
+    """A result that cannot be a record: `reason` is one of `Reason`'s codes."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RecordContext:
+    """What turning a job's results into records needs; build one per job and reuse it."""
+
+    spec: JobSpec
+    tokenizer: Any
+    family: ChatFamily
+    on_truncated: str = "dlq"  # a result cut by max_new_tokens: keep, drop or dlq it
+    drift_check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_truncated not in ON_TRUNCATED:
+            raise ValueError(f"on_truncated must be one of {sorted(ON_TRUNCATED)}")
+
+    @functools.cached_property
+    def thinking(self) -> bool | None:
+        """The job's thinking setting; None where the template has no switch (each prompt
+        then says whether it opens a think span).
+
+        Unset, it is the template's default, found by rendering a probe both ways: the
+        default differs from an explicit `False` exactly when the template thinks by
+        default (Kimi, Qwen3). Stronger than reading a prompt's last tokens, which for
+        Qwen3 end the same with thinking on as without a think span at all.
+        """
+        key = self.family.thinking_kwarg
+        if key is None or self.family.think_open is None:
+            return None
+        kwargs = self.spec.chat_template_kwargs
+        if key in kwargs:
+            return bool(kwargs[key])
+        probe = [{"role": "user", "content": "Hi"}]
+        try:
+            default = render_prompt_ids(self.tokenizer, probe, kwargs)
+            return default != render_prompt_ids(self.tokenizer, probe, {**kwargs, key: False})
+        except ChatTemplateError:  # a template that rejects the probe: judge each prompt
+            return None
+
+
+def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
+    """The record for a result (see the module docstring); raises CheckFailed."""
+    finish, matched = _check_finish(result)
+    if finish == "length" and ctx.on_truncated != "keep":
+        # Decided before decoding: the result will not be a record either way.
+        reason = Reason.TRUNCATED_DROPPED if ctx.on_truncated == "drop" else Reason.TRUNCATED
+        raise CheckFailed(reason, f"cut at {len(result.output_ids)} tokens (finish length)")
+    _check_text(result, ctx, finish, matched)
+    reasoning, answer = _split(result, ctx, finish)
+
+    assistant: dict[str, Any] = {"role": "assistant", "content": answer}
+    if reasoning is not None:
+        assistant["reasoning_content"] = reasoning
+    messages = [*result.messages, assistant]
+    input_ids = result.prompt_ids + result.output_ids
+    n_prompt, n_output = len(result.prompt_ids), len(result.output_ids)
+    drift_at = _drift_at(ctx, messages, input_ids) if ctx.drift_check else None
+    return {
+        "schema": RECORD_SCHEMA,
+        "id": result.id,
+        "job": result.job,
+        "model": ctx.spec.model,
+        "messages": messages,
+        "input_ids": input_ids,
+        "loss_mask": [0] * n_prompt + [1] * n_output,
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_output,
+        "finish_reason": finish,
+        "sampling": ctx.spec.sampling,
+        "chat_template_kwargs": ctx.spec.chat_template_kwargs,
+        "source": result.source,
+        "drift": (drift_at is not None) if ctx.drift_check else None,
+        "drift_at": drift_at,
+        "server": result.server,
+        "generated_by": result.worker,
+    }
+
+
+def _check_finish(result: GeneratedResult) -> tuple[str, Any]:
+    """The finish type and what matched; counts agree with the ids."""
+    reason = result.finish_reason or {}
+    finish = reason.get("type")
+    if finish == "abort":
+        raise CheckFailed(Reason.ABORTED, f"the server aborted it: {reason.get('message')!r}")
+    if finish not in FINISH_REASONS:
+        raise CheckFailed(Reason.UNKNOWN_FINISH_REASON, f"finish_reason {reason!r}")
+    if result.completion_tokens != len(result.output_ids):
+        raise CheckFailed(
+            Reason.COUNT_MISMATCH,
+            f"server counted {result.completion_tokens} completion tokens, "
+            f"output_ids has {len(result.output_ids)}",
+        )
+    if result.prompt_tokens != len(result.prompt_ids):
+        raise CheckFailed(
+            Reason.COUNT_MISMATCH,
+            f"server counted {result.prompt_tokens} prompt tokens, "
+            f"{len(result.prompt_ids)} were sent",
+        )
+    matched = reason.get("matched") if finish == "stop" else None
+    if _is_token(matched) and result.output_ids[-1:] != [matched]:
+        raise CheckFailed(
+            Reason.STOP_MISMATCH,
+            f"stop token {matched} matched but output ends with {result.output_ids[-1:]}",
+        )
+    return finish, matched
+
+
+def _is_token(matched: Any) -> bool:
+    return isinstance(matched, int) and not isinstance(matched, bool)
+
+
+def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matched: Any) -> None:
+    """The server's text is the decode of output_ids, as SGLang's detokenizer makes it.
+
+    SGLang (`DetokenizerManager.trim_matched_stop`) drops a matched stop token from the
+    ids before decoding and cuts the text at the first occurrence of a matched stop
+    string, both unless `no_stop_trim`, and both only when `matched` is truthy (its
+    test). It decodes with the request's `skip_special_tokens` (default true). A length
+    cut may end inside a UTF-8 sequence, whose replacement characters a server may hold
+    back. Nothing else may differ.
+    """
+    sampling = ctx.spec.sampling
+    trim = bool(matched) and not sampling.get("no_stop_trim", False)
+    ids = result.output_ids[:-1] if trim and _is_token(matched) else result.output_ids
+    decoded = ctx.tokenizer.decode(
+        ids, skip_special_tokens=sampling.get("skip_special_tokens", True)
+    )
+    if trim and isinstance(matched, str):
+        cut = decoded.find(matched)
+        decoded = decoded if cut == -1 else decoded[:cut]
+    text = result.text
+    if text == decoded:
+        return
+    if (
+        finish == "length"
+        and decoded.startswith(text)
+        and not decoded[len(text) :].strip(_REPLACEMENT)
+    ):
+        return
+    at = _first_difference(text, decoded)
+    raise CheckFailed(
+        Reason.TEXT_MISMATCH,
+        f"server text differs from the decoded output_ids at char {at}: "
+        f"text {text[at : at + 40]!r}, decoded {decoded[at : at + 40]!r} "
+        f"({len(text)} vs {len(decoded)} chars)",
+    )
+
+
+def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[str | None, str]:
+    """(reasoning, answer), after checking the output thinks as the job says it should."""
+    family = ctx.family
+    opened = family.think_open_id is not None and prompt_opens_think(family, result.prompt_ids)
+    thinking = ctx.thinking
+    if thinking is None and opened:
+        thinking = True  # no switch in the template, but this prompt opens the span
+    if thinking is False and (
+        family.think_open_id in result.output_ids or family.think_close_id in result.output_ids
+    ):
+        # Token ids, not text: a think tag is one token, and a stray close tag with no
+        # open one would slip past a text split.
+        raise CheckFailed(
+            Reason.UNEXPECTED_THINKING, "thinking is off but the output has a think tag"
+        )
+    text = result.text
+    if thinking and finish == "stop":
+        state = think_state(family, text, opened_in_prompt=opened)
+        if state is ThinkState.NO_SPAN:
+            raise CheckFailed(
+                Reason.MISSING_THINKING, "thinking is on but the output has no think span"
+            )
+        if state is ThinkState.UNCLOSED:
+            raise CheckFailed(
+                Reason.UNCLOSED_THINKING,
+                f"the turn ended inside its think span ({family.think_close} missing)",
+            )
+    reasoning, answer = split_reasoning(family, text, opened_in_prompt=opened)
+    # Whitespace alone is no answer to train on either.
+    if finish == "stop" and not answer.strip():
+        raise CheckFailed(Reason.EMPTY_ANSWER, f"no answer after the split ({len(answer)} chars)")
+    return reasoning, answer
+
+
+def _drift_at(
+    ctx: RecordContext, messages: list[dict[str, Any]], input_ids: list[int]
+) -> int | None:
+    """Where re-rendering the conversation first departs from input_ids, or None.
+
+    Compared over input_ids' length: templates may append tokens the model never
+    generates after the end of turn (chatml's newline), and a truncated record has no
+    end of turn at all.
+    """
+    try:
+        rendered = render_conversation_ids(ctx.tokenizer, messages, ctx.spec.chat_template_kwargs)
+    except ChatTemplateError as exc:
+        raise CheckFailed(Reason.RENDER_FAILED, str(exc)) from exc
+    n = len(input_ids)
+    if rendered[:n] == input_ids:  # the common case, compared in C
+        return None
+    return _first_difference(rendered[:n], input_ids)
+
+
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Index of the first difference between two unequal sequences (the shorter's length
+    when one is a prefix of the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )

@@ -1,0 +1,253 @@
+"""stats, verify and export over real shards written by the shard writer, and the
+`regen shards` commands that wrap them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from consumers.tokenize.inspect import export, stats, verify
+from consumers.tokenize.record import RECORD_SCHEMA
+from consumers.tokenize.shard_writer import (
+    MANIFEST,
+    OpenShard,
+    ShardInfo,
+    iter_records,
+    place,
+    shard_name,
+)
+from regen.cli_shards import shards_group
+
+USER = {"role": "user", "content": "What is 2+2?"}
+OWNER = "host-1:123"
+
+
+def make_record(
+    rid: str,
+    *,
+    prompt: int = 5,
+    completion: int = 3,
+    finish: str = "stop",
+    drift: bool | None = False,
+    reasoning: str | None = None,
+) -> dict[str, Any]:
+    assistant: dict[str, Any] = {"role": "assistant", "content": "4"}
+    if reasoning is not None:
+        assistant["reasoning_content"] = reasoning
+    return {
+        "schema": RECORD_SCHEMA, "id": rid, "job": "job-a", "model": "m",
+        "messages": [USER, assistant],
+        "input_ids": list(range(100, 100 + prompt + completion)),
+        "loss_mask": [0] * prompt + [1] * completion,
+        "prompt_tokens": prompt, "completion_tokens": completion, "finish_reason": finish,
+        "sampling": {"max_new_tokens": 64}, "chat_template_kwargs": {},
+        "source": {"file": "d.jsonl", "row": 0}, "drift": drift,
+        "drift_at": (prompt + 1) if drift else None, "server": "s", "generated_by": "w",
+    }  # fmt: skip
+
+
+def write_shard(job: Path, seq: int, records: list[dict[str, Any]]) -> ShardInfo:
+    job.mkdir(parents=True, exist_ok=True)
+    shard = OpenShard(job, shard_name(seq), OWNER)
+    for record in records:
+        shard.add(record)
+    info = shard.close_durably()
+    place(job, info, OWNER)
+    return info
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    """Two shards, five records: finish reasons, drift and lengths all varied."""
+    folder = tmp_path / "out" / "job-a"
+    write_shard(folder, 1, [
+        make_record("a", completion=1, reasoning="hm"),
+        make_record("b", completion=3, drift=True),
+        make_record("c", completion=1000, finish="length"),
+    ])  # fmt: skip
+    write_shard(folder, 2, [make_record("d", completion=0), make_record("e", drift=None)])
+    return folder
+
+
+def kinds(problems: list[Any]) -> set[str]:
+    return {p.kind for p in problems}
+
+
+# --- verify ------------------------------------------------------------------------------
+
+
+def test_verify_passes_on_good_output(job: Path) -> None:
+    assert verify(job) == []
+    assert verify(job.parent) == []  # a folder of job folders
+
+
+def test_verify_passes_on_real_records(tmp_path: Path, kimi_tokenizer: Any) -> None:
+    from consumers.tokenize.record import build_record
+    from tests.test_record import IM_END, THINK_END, ids, make_ctx, make_result
+
+    ctx = make_ctx(kimi_tokenizer)
+    output = ids(kimi_tokenizer, "Let me think.", THINK_END, "The answer is 4.", IM_END)
+    write_shard(tmp_path / "job-1", 1, [build_record(make_result(ctx, output), ctx)])
+    assert verify(tmp_path / "job-1") == []
+
+
+def test_verify_catches_flipped_bytes(job: Path) -> None:
+    path = job / shard_name(1)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
+    path.write_bytes(bytes(data))
+    problems = verify(job)
+    assert "checksum" in kinds(problems)
+    assert all(p.path == shard_name(1) for p in problems)
+
+
+def test_verify_catches_a_duplicate_id_across_shards(job: Path) -> None:
+    write_shard(job, 3, [make_record("b")])
+    problems = verify(job)
+    assert kinds(problems) == {"duplicate_id"}
+    assert problems[0].path == shard_name(3) and "id b" in problems[0].message
+
+
+def test_verify_catches_mask_and_count_errors(tmp_path: Path) -> None:
+    short_mask = make_record("a")
+    short_mask["loss_mask"] = short_mask["loss_mask"][:-1]
+    shuffled = make_record("b")
+    shuffled["loss_mask"] = [1, *shuffled["loss_mask"][1:]]
+    miscounted = make_record("c")
+    miscounted["completion_tokens"] += 1
+    write_shard(tmp_path / "job", 1, [short_mask, shuffled, miscounted])
+    problems = verify(tmp_path / "job")
+    assert [p.kind for p in problems] == ["mask_length", "loss_mask", "token_count"]
+
+
+def test_verify_catches_schema_errors(tmp_path: Path) -> None:
+    missing = make_record("a")
+    del missing["input_ids"]
+    old = make_record("b")
+    old["schema"] = "regen.record/0"
+    boolean = make_record("c")
+    boolean["prompt_tokens"] = True
+    aborted = make_record("d", finish="abort")
+    write_shard(tmp_path / "job", 1, [missing, old, boolean, aborted])
+    problems = verify(tmp_path / "job")
+    assert [p.kind for p in problems] == ["schema"] * 4
+    assert "input_ids" in problems[0].message and "prompt_tokens" in problems[2].message
+
+
+def test_verify_catches_missing_and_unlisted_shards_and_tmp(job: Path) -> None:
+    (job / shard_name(2)).unlink()
+    stray = OpenShard(job, shard_name(3), OWNER)
+    stray.add(make_record("z"))
+    stray.close_durably()
+    os.replace(stray.path, job / shard_name(3))  # in place but never in the manifest
+    leftover = OpenShard(job, shard_name(4), OWNER)  # a writer that died mid-shard
+    problems = verify(job)
+    leftover.abort()
+    assert {(p.path, p.kind) for p in problems} == {
+        (shard_name(2), "missing_shard"), (shard_name(3), "unlisted_shard"),
+        (leftover.path.name, "leftover_tmp"),
+    }  # fmt: skip
+
+
+def test_verify_catches_manifest_disagreements(job: Path) -> None:
+    lines = (job / MANIFEST).read_bytes().splitlines()
+    first = orjson.loads(lines[0])
+    first["rows"] += 1
+    (job / MANIFEST).write_bytes(b"\n".join([orjson.dumps(first), lines[1], b'{"shard": "x'])
+                                 + b"\n")  # fmt: skip
+    problems = verify(job)
+    assert {(p.path, p.kind) for p in problems} == {
+        (MANIFEST, "manifest_line"), (shard_name(1), "manifest_mismatch"),
+    }  # fmt: skip
+
+
+def test_verify_an_empty_folder(tmp_path: Path) -> None:
+    assert kinds(verify(tmp_path)) == {"no_jobs"}
+
+
+# --- stats -------------------------------------------------------------------------------
+
+
+def test_stats_numbers(job: Path) -> None:
+    (only,) = stats(job)
+    assert only.job == "job-a"
+    assert (only.shards, only.rows) == (2, 5)
+    assert only.prompt_tokens == 25
+    assert only.completion_tokens == 1 + 3 + 1000 + 0 + 3
+    assert only.bytes == sum(p.stat().st_size for p in job.glob("shard-*"))
+    assert dict(only.finish_reasons) == {"stop": 4, "length": 1}
+    assert (only.drift, only.drift_checked) == (1, 4)
+    assert only.histogram_rows() == [("0-0", 1), ("1-1", 1), ("2-3", 2), ("512-1023", 1)]
+
+
+def test_stats_over_a_folder_of_jobs(job: Path) -> None:
+    write_shard(job.parent / "job-b", 1, [make_record("a")])
+    assert [(s.job, s.rows) for s in stats(job.parent)] == [("job-a", 5), ("job-b", 1)]
+
+
+# --- export ------------------------------------------------------------------------------
+
+
+def test_export_conversations(job: Path, tmp_path: Path) -> None:
+    out = tmp_path / "export.jsonl"
+    assert export(job, out) == 5
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b", "c", "d", "e"]
+    assert set(rows[0]) == {"id", "conversations"}
+    assert rows[0]["conversations"] == [
+        USER, {"role": "assistant", "content": "4", "reasoning_content": "hm"},
+    ]  # fmt: skip
+    assert rows[1]["conversations"][-1] == {"role": "assistant", "content": "4"}
+    assert not list(tmp_path.glob(".*.tmp"))
+    with pytest.raises(ValueError, match="unknown export format"):
+        export(job, out, format="sharegpt")
+
+
+# --- the CLI -----------------------------------------------------------------------------
+
+
+def test_cli_verify_exit_codes(job: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(shards_group, ["verify", str(job)])
+    assert ok.exit_code == 0, ok.output
+    assert "ok" in ok.output
+    (job / shard_name(2)).unlink()
+    bad = runner.invoke(shards_group, ["verify", str(job)])
+    assert bad.exit_code == 1
+    assert "missing_shard" in bad.output
+
+
+def test_cli_stats_and_export(job: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    as_json = runner.invoke(shards_group, ["stats", str(job.parent), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    data = orjson.loads(as_json.output)
+    assert (data["job"], data["rows"], data["drift"]) == ("job-a", 5, 1)
+    assert data["completion_histogram"]["512-1023"] == 1
+    text = runner.invoke(shards_group, ["stats", str(job)])
+    assert text.exit_code == 0 and "rows         5" in text.output
+
+    out = tmp_path / "conv.jsonl"
+    exported = runner.invoke(shards_group, ["export", str(job), "--out", str(out)])
+    assert exported.exit_code == 0, exported.output
+    assert len(out.read_bytes().splitlines()) == 5
+    assert next(iter_records(job / shard_name(1)))["id"] == "a"
+
+
+def test_verify_reports_a_line_that_is_no_object(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    write_shard(job, 1, [make_record("a")])
+    shard = OpenShard(job, shard_name(2), OWNER)
+    shard._zstd.write(b"[1, 2]\n")  # a writer bug: a JSON line that is not a record
+    info = shard.close_durably()
+    place(job, info, OWNER)
+    # (The manifest line counts no rows: the writer never saw one.)
+    assert [(p.path, p.kind) for p in verify(job)] == [
+        (shard_name(2), "schema"), (shard_name(2), "manifest_mismatch"),
+    ]  # fmt: skip
