@@ -5,6 +5,15 @@ CLI options fall back to a `REGEN_*` environment variable, then to the value her
 
 from __future__ import annotations
 
+import os
+
+
+def env_float(name: str, default: float) -> float:
+    """A number from the environment (tests shorten timeouts this way), else `default`."""
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
 # --- where state lives -------------------------------------------------------------
 # State folder for the embedded Redis, caches and logs (env: REGEN_HOME).
 HOME = ".regen"
@@ -45,5 +54,11 @@ REQUEST_TIMEOUT_S = 3600.0
 
 # --- heartbeats --------------------------------------------------------------------
 HEARTBEAT_INTERVAL_S = 10.0
-# A worker whose last heartbeat is older than this is reported stale.
-HEARTBEAT_STALE_S = 60.0
+# A worker whose last heartbeat is older than this is reported stale (and its temporary
+# shard files may be removed): env REGEN_HEARTBEAT_STALE_S.
+HEARTBEAT_STALE_S = env_float("REGEN_HEARTBEAT_STALE_S", 60.0)
+
+# --- shards ------------------------------------------------------------------------
+# A tokenize consumer's claim on a shard's ids lasts this long before another consumer
+# may resolve it (env REGEN_SHARD_LEASE_S); the owner renames only with half of it left.
+SHARD_LEASE_S = env_float("REGEN_SHARD_LEASE_S", 120.0)

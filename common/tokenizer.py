@@ -35,11 +35,19 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REGEN_HOME_DEFAULT = ".regen"
 CACHE_MARKER = "regen-tokenizer-cache.json"
 
-# Import names whose pip distribution is named differently.
+# Packages tokenizers commonly need, by pip name, with the module each provides.
+# transformers sometimes reports them in prose ("requires the SentencePiece library").
+_OPTIONAL_PACKAGES = {
+    "sentencepiece": "sentencepiece",
+    "tiktoken": "tiktoken",
+    "protobuf": "google.protobuf",
+    "gguf": "gguf",
+    "blobfile": "blobfile",
+}
+# Modules whose pip distribution is named differently.
 _PIP_NAMES = {"google": "protobuf", "yaml": "pyyaml"}
-# Libraries transformers names in prose ("requires the SentencePiece library") when it
-# raises an ImportError without a module name.
-_KNOWN_LIBRARIES = ("sentencepiece", "tiktoken", "protobuf", "gguf", "blobfile", "tokenizers")
+# Any of these makes a folder worth handing to transformers.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class TokenizerLoadError(ValueError):
@@ -128,8 +136,10 @@ def _default_cache_dir() -> Path:
 
 
 def _from_pretrained(ref: ModelRef, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    if ref.is_gguf and importlib.util.find_spec("gguf") is None:
+    if ref.is_gguf and not _importable("gguf"):
         raise MissingDependency(("gguf",), str(ref.path))
+    if not ref.is_gguf and not any((ref.folder / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelNotFound(f"no tokenizer in {ref.folder} (none of {', '.join(_TOKENIZER_FILES)})")
     if not ref.is_gguf and not trust_remote_code and _needs_remote_code(ref.folder):
         raise _remote_code_error(ref)
     # Imported here: transformers takes seconds to import, and most of regen's
@@ -141,12 +151,8 @@ def _from_pretrained(ref: ModelRef, *, trust_remote_code: bool) -> PreTrainedTok
         kwargs["gguf_file"] = ref.gguf_file
     try:
         return AutoTokenizer.from_pretrained(str(ref.folder), **kwargs)
-    except ImportError as exc:
-        raise _missing_dependency(exc, ref) from exc
-    except (OSError, ValueError) as exc:
-        if "trust_remote_code" in str(exc):
-            raise _remote_code_error(ref) from exc
-        raise TokenizerLoadError(f"could not load a tokenizer from {ref.path}: {exc}") from exc
+    except (ImportError, OSError, ValueError) as exc:
+        raise _load_error(exc, ref) from exc
 
 
 def _needs_remote_code(folder: Path) -> bool:
@@ -158,7 +164,9 @@ def _needs_remote_code(folder: Path) -> bool:
     except ValueError as exc:
         raise TokenizerLoadError(f"{config} is not valid JSON: {exc}") from exc
     # Old configs store the AutoTokenizer pair directly as a list.
-    return isinstance(auto_map, list) or (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map)
+    return isinstance(auto_map, list) or (
+        isinstance(auto_map, dict) and "AutoTokenizer" in auto_map
+    )
 
 
 def _remote_code_error(ref: ModelRef) -> RemoteCodeRequired:
@@ -168,18 +176,37 @@ def _remote_code_error(ref: ModelRef) -> RemoteCodeRequired:
     )
 
 
-def _missing_dependency(exc: ImportError, ref: ModelRef) -> TokenizerLoadError:
-    if exc.name:
-        return MissingDependency((exc.name.split(".")[0],), str(ref.path))
+def _load_error(exc: Exception, ref: ModelRef) -> TokenizerLoadError:
+    packages = _missing_packages(exc)
+    if packages:
+        return MissingDependency(packages, str(ref.path))
+    if "trust_remote_code" in str(exc):
+        return _remote_code_error(ref)
+    return TokenizerLoadError(f"could not load a tokenizer from {ref.path}: {exc}")
+
+
+def _missing_packages(exc: Exception) -> tuple[str, ...]:
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return (exc.name.split(".")[0],)
     message = str(exc)
     # transformers' wording when remote code imports packages that are not installed.
     listed = re.search(r"not found in your environment: ([^.]+)\.", message)
     if listed:
-        return MissingDependency(tuple(p.strip() for p in listed.group(1).split(",")), str(ref.path))
-    known = tuple(lib for lib in _KNOWN_LIBRARIES if lib in message.lower())
-    if known:
-        return MissingDependency(known, str(ref.path))
-    return TokenizerLoadError(f"could not load a tokenizer from {ref.path}: {message}")
+        return tuple(name.strip() for name in listed.group(1).split(","))
+    # Prose such as "You need to have sentencepiece or tiktoken installed": keep the
+    # packages it names that really are missing.
+    return tuple(
+        package
+        for package, module in _OPTIONAL_PACKAGES.items()
+        if package in message.lower() and not _importable(module)
+    )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # the parent package (e.g. google) is missing
+        return False
 
 
 # --- on-disk cache of converted GGUF tokenizers ---------------------------------------
@@ -213,7 +240,7 @@ def _read_cache(entry: Path) -> PreTrainedTokenizerBase | None:
     try:
         expected = json.loads(marker.read_text(encoding="utf-8"))["fingerprint"]
         tokenizer = AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
+    except Exception as exc:  # a broken cache must never make a load fail
         log.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
         return None
     if tokenizer_fingerprint(tokenizer) != expected:
@@ -246,7 +273,7 @@ def _write_cache(entry: Path, tokenizer: PreTrainedTokenizerBase, ref: ModelRef)
             os.replace(tmp, entry)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # caching is only a speed-up; the load itself succeeded
         log.warning("could not cache the tokenizer of %s: %s", ref.path, exc)
 
 
@@ -273,7 +300,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     payload = {
         "size": len(tokenizer),
         "added": added,
-        "special": sorted(zip(tokenizer.all_special_ids, tokenizer.all_special_tokens)),
+        "special": sorted(
+            zip(tokenizer.all_special_ids, tokenizer.all_special_tokens, strict=True)
+        ),
         "roles": {
             name: getattr(tokenizer, f"{name}_token_id", None)
             for name in ("bos", "eos", "unk", "pad")
@@ -313,9 +342,18 @@ def _config_context_length(path: Path) -> int | None:
 
 # GGUF value types (the GGUF spec): fixed-size scalars by struct format, then string/array.
 _GGUF_SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
-    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}  # fmt: skip
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 

@@ -13,6 +13,9 @@ from tests.redis_server import RedisServer, running_redis
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# State (the converted-tokenizer cache) goes to pytest's cache folder, never ./.regen;
+# subprocesses inherit it, so each does not convert the GGUF tokenizer again.
+os.environ.setdefault("REGEN_HOME", str(Path(__file__).parents[1] / ".pytest_cache" / "regen"))
 
 
 @pytest.fixture(scope="session")

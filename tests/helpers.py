@@ -44,3 +44,35 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 def user_rows(n: int, prefix: str = "Question", pad: int = 0) -> list[dict[str, Any]]:
     filler = " lorem ipsum" * pad
     return [{"prompt": f"{prefix} number {i}: what is {i} plus {i}?{filler}"} for i in range(n)]
+
+
+def make_result(tok: Any, spec: Any, i: int, answer: str | None = None) -> Any:
+    """A result as the generate stage hands it over: real prompt ids, an answer's ids
+    followed by the end-of-turn token (included, as SGLang returns it)."""
+    from common.chat_family import detect_family, render_prompt_ids
+    from common.results import GeneratedResult
+    from producer.rows import prompt_id
+
+    messages = [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"}]
+    prompt_ids = render_prompt_ids(tok, messages, spec.chat_template_kwargs)
+    answer = answer if answer is not None else f"{i} plus {i} is {2 * i}."
+    eot = detect_family(tok).end_of_turn_ids[0]
+    output_ids = [*tok.encode(answer, add_special_tokens=False), eot]
+    return GeneratedResult(
+        id=prompt_id(messages), job=spec.name, chunk="c-test", prompt_ids=prompt_ids,
+        messages=messages, source={"file": "test.jsonl", "row": i + 1},
+        output_ids=output_ids, text=answer, finish_reason={"type": "stop", "matched": eot},
+        prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), cached_tokens=0,
+        latency_s=0.01, server="test", worker="test", attempt=0,
+    )  # fmt: skip
+
+
+def wait_for(condition: Any, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll until condition() is true; fail with `what` after timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)

@@ -90,8 +90,8 @@ def test_backpressure_holds_redis_memory_flat(
     assert any(throttled), "the producer never had to wait for room"
 
 
-def _start_producer(path: Path, url: str, home: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "REGEN_HOME": str(home), "PYTHONPATH": str(REPO)}
+def _start_producer(path: Path, url: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "regen", "enqueue", str(path), "--job", "k", "--model", "smollm2",
          "--max-new-tokens", "32", "--chunk-size", "4", "--high-water", "3",
@@ -110,7 +110,7 @@ def test_producer_killed_mid_run_enqueues_exactly_the_full_set(
     drainer = Drainer(r, "regen.generate.k", pause_s=0.03)
     drainer.start()
     for kill_after_chunks in (6, 15, 27):
-        producer = _start_producer(path, redis_url, tmp_path / "home")
+        producer = _start_producer(path, redis_url)
         deadline = time.monotonic() + 120
         while len(drainer.chunks) < kill_after_chunks:
             assert producer.poll() is None, producer.stderr.read().decode()  # type: ignore[union-attr]
@@ -118,7 +118,7 @@ def test_producer_killed_mid_run_enqueues_exactly_the_full_set(
             time.sleep(0.005)
         producer.send_signal(signal.SIGKILL)
         producer.wait()
-    producer = _start_producer(path, redis_url, tmp_path / "home")
+    producer = _start_producer(path, redis_url)
     _, err = producer.communicate(timeout=300)
     assert producer.returncode == 0, err.decode()
     drainer.drain_rest()

@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass
 import orjson
 import redis
 
-from common import keys
+from common import defaults, keys
 
-# A claim is good for this long; the owner renames only with MARGIN to spare, so a
+# A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
 # recovery (after expiry) never races a rename.
-LEASE_S = 120.0
-LEASE_MARGIN_S = 60.0
+LEASE_S = defaults.SHARD_LEASE_S
+LEASE_MARGIN_S = LEASE_S / 2
 
 _CLAIM_LUA = """
 local taken = {}

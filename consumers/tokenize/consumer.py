@@ -26,7 +26,9 @@ from consumers.tokenize.record import RecordContext
 
 log = logging.getLogger("regen.tokenize")
 
-RECOVER_INTERVAL_S = 30.0
+# Pending shards are looked at this often; within a lease, so a dead consumer's claims
+# are resolved soon after they expire.
+RECOVER_INTERVAL_S = min(30.0, defaults.SHARD_LEASE_S / 2)
 DISK_POLL_S = 2.0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from common import dlq, keys
+from common import crashpoints, dlq, keys
 from common.results import GeneratedResult
 from consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
@@ -113,6 +113,8 @@ class JobWriter:
                 self.counters.duplicates += 1
             else:
                 self._write(entry_id, result)
+                if self._full():  # roll over mid-batch: shards stay at their size
+                    self.commit()
 
     def _write(self, entry_id: str, result: GeneratedResult) -> None:
         try:
@@ -124,6 +126,7 @@ class JobWriter:
             name = shard_name(self._ledger.next_shard_seq())
             self._shard = OpenShard(self.folder, name, self.owner)
         self._shard.add(record)
+        crashpoints.hit("tokenize.mid_shard")
         self._entries[result.id] = [entry_id]
         self.counters.records += 1
         self.counters.tokens += len(record["input_ids"])
@@ -162,17 +165,20 @@ class JobWriter:
 
     # --- committing --------------------------------------------------------------
 
+    def _full(self) -> bool:
+        shard = self._shard
+        return shard is not None and (
+            shard.rows >= self._policy.max_rows
+            or shard.uncompressed_bytes >= self._policy.max_bytes
+        )
+
     def due(self, idle_for_s: float) -> bool:
+        """The open shard should be committed now: full, old, or no results coming."""
         shard = self._shard
         if shard is None or shard.rows == 0:
             return False
         policy = self._policy
-        return (
-            shard.rows >= policy.max_rows
-            or shard.uncompressed_bytes >= policy.max_bytes
-            or shard.age_s() >= policy.max_age_s
-            or idle_for_s >= policy.idle_s
-        )
+        return self._full() or shard.age_s() >= policy.max_age_s or idle_for_s >= policy.idle_s
 
     def commit(self) -> None:
         """Close the open shard and commit it (see commit.py for the protocol)."""
@@ -199,7 +205,9 @@ class JobWriter:
             shard.abort()
             log.warning("shard %s of %s abandoned: claim lease ran short", shard.name, self.job)
             return
+        crashpoints.hit("tokenize.after_claim")
         place(self.folder, info, self.owner)
+        crashpoints.hit("tokenize.after_place")
         acked = [e for pid in shard.ids for e in entries.get(pid, [])]
         self._ledger.finalize(shard.name, info.to_json(), acked, sorted(shard.ids))
         self.counters.shards += 1

@@ -20,6 +20,8 @@ from typing import IO, Any
 import orjson
 import zstandard
 
+from common import crashpoints
+
 MANIFEST = "manifest.jsonl"
 TMP_SUFFIX = ".tmp"
 ZSTD_LEVEL = 3
@@ -164,6 +166,7 @@ def place(folder: Path, info: ShardInfo, owner: str) -> Path:
     final = folder / info.shard
     os.replace(tmp_path(folder, info.shard, owner), final)
     fsync_dir(folder)
+    crashpoints.hit("tokenize.after_rename")
     append_manifest(folder, info)
     return final
 

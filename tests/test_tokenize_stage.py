@@ -1,0 +1,212 @@
+"""The tokenize stage against a real Redis: exactly-once shards, crashes, disk guard."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from common import dlq, jobspec, keys
+from consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
+from consumers.tokenize.inspect import verify
+from consumers.tokenize.job_writer import ShardPolicy
+from consumers.tokenize.shard_writer import iter_records, read_manifest
+from producer.spec import JobOptions, prepare_job
+from tests.helpers import make_result, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ShardPolicy(max_rows=25, max_age_s=30, idle_s=0.3)
+
+
+@pytest.fixture
+def spec(r: redis.Redis) -> jobspec.JobSpec:
+    prepared = prepare_job(JobOptions(job="t", model="smollm2", max_new_tokens=64))
+    return jobspec.save(r, prepared.spec)
+
+
+def push(r: redis.Redis, results: list[Any]) -> None:
+    for result in results:
+        r.xadd(keys.results_stream(result.job), result.to_fields())
+
+
+def shard_ids(folder: Path) -> list[str]:
+    return [rec["id"] for shard in sorted(folder.glob("shard-*.jsonl.zst"))
+            for rec in iter_records(shard)]  # fmt: skip
+
+
+def settled(r: redis.Redis, job: str, expected: int) -> bool:
+    """Every result committed or dead-lettered and nothing left on the stream."""
+    done = r.hlen(keys.shards(job)) and not r.hlen(keys.pending_shards(job))
+    in_dlq = dlq.count(r, job, "tokenize")
+    return (
+        bool(done)
+        and r.hlen(keys.committed(job)) + in_dlq == expected
+        and not r.xlen(keys.results_stream(job))
+    )
+
+
+class InProcess:
+    """A TokenizeConsumer on a thread of the test process."""
+
+    def __init__(self, r: redis.Redis, options: TokenizeOptions, name: str) -> None:
+        self.consumer = TokenizeConsumer(r, options, name)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.consumer.run, args=(self.stop,))
+
+    def __enter__(self) -> InProcess:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    return tmp_path / "out"
+
+
+def options(out: Path, **overrides: Any) -> TokenizeOptions:
+    values: dict[str, Any] = {"out_dir": out, "policy": FAST, "min_free_bytes": 0,
+                              "block_ms": 100, "claim_idle_s": 2.0}  # fmt: skip
+    values.update(overrides)
+    return TokenizeOptions(**values)
+
+
+def test_records_are_token_exact_and_written_once(
+    r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: Path
+) -> None:
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(60)]
+    push(r, results)
+    push(r, results[:20])  # the same results delivered again (a chunk that ran twice)
+    with InProcess(r, options(out), "c1"):
+        wait_for(lambda: settled(r, "t", 60), what="all results committed")
+
+    folder = out / "t"
+    records = {rec["id"]: rec for shard in folder.glob("shard-*") for rec in iter_records(shard)}
+    assert Counter(shard_ids(folder)).most_common(1)[0][1] == 1 and len(records) == 60
+    for result in results:
+        record = records[result.id]
+        assert record["input_ids"] == result.prompt_ids + result.output_ids
+        assert record["loss_mask"] == [0] * len(result.prompt_ids) + [1] * len(result.output_ids)
+        assert record["messages"][-1] == {"role": "assistant", "content": result.text}
+    assert len(read_manifest(folder)) >= 3  # 25-row shards
+    assert verify(folder) == []
+    pending = r.xpending(keys.results_stream("t"), keys.TOKENIZE_GROUP)
+    assert pending["pending"] == 0
+
+
+def test_a_failing_check_dead_letters_only_that_result(
+    r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: Path
+) -> None:
+    good = [make_result(smollm2_tokenizer, spec, i) for i in range(5)]
+    bad = make_result(smollm2_tokenizer, spec, 99)
+    bad = type(bad)(**{**bad.__dict__, "text": "something the ids do not say"})
+    push(r, [*good[:2], bad, *good[2:]])
+    with InProcess(r, options(out), "c1"):
+        wait_for(lambda: settled(r, "t", 6), what="results settled")
+    assert sorted(shard_ids(out / "t")) == sorted(g.id for g in good)
+    (letter,) = list(dlq.entries(r, "t", "tokenize"))
+    assert letter.prompt_id == bad.id and letter.reason == "text_mismatch"
+
+
+def _worker(url: str, out: Path, crashpoint: str | None = None,
+            extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO),
+           "REGEN_SHARD_LEASE_S": "4", "REGEN_HEARTBEAT_STALE_S": "3"}  # fmt: skip
+    env.pop("REGEN_CRASHPOINT", None)
+    if crashpoint:
+        env["REGEN_CRASHPOINT"] = crashpoint
+    return subprocess.Popen(
+        [sys.executable, "-m", "regen", "worker", "tokenize", "--out", str(out),
+         "--redis-url", url, "--shard-rows", "25", "--idle-commit", "0.3",
+         "--claim-idle", "3", "--min-free-mb", "0", *extra],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "crashpoint",
+    ["tokenize.mid_shard", "tokenize.after_claim", "tokenize.after_rename",
+     "tokenize.after_place"],
+)  # fmt: skip
+def test_a_tokenizer_killed_at_any_point_loses_and_duplicates_nothing(
+    redis_url: str, r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any,
+    out: Path, tmp_path: Path, crashpoint: str,
+) -> None:  # fmt: skip
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(70)]
+    push(r, results)
+    doomed = _worker(redis_url, out, crashpoint=crashpoint)
+    doomed.wait(timeout=120)
+    assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read().decode()  # type: ignore[union-attr]
+    push(r, results[:10])  # redelivered results arrive meanwhile too
+
+    survivor = _worker(redis_url, out)
+    try:
+        wait_for(lambda: settled(r, "t", 70), timeout=120, what="recovery and commit")
+    finally:
+        _stop(survivor)
+    folder = out / "t"
+    ids = shard_ids(folder)
+    assert sorted(ids) == sorted(res.id for res in results), "lost or duplicated ids"
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")], "temporary files left"
+    assert verify(folder) == []
+
+
+@pytest.mark.slow
+def test_two_consumers_share_a_job_without_loss_or_duplicates(
+    redis_url: str, r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any,
+    out: Path, tmp_path: Path,
+) -> None:  # fmt: skip
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(200)]
+    workers = [_worker(redis_url, out) for _ in range(2)]
+    try:
+        for start in range(0, 200, 20):
+            push(r, results[start : start + 20])
+            push(r, results[start : start + 5])  # duplicates race between the consumers
+        wait_for(lambda: settled(r, "t", 200), timeout=180, what="both consumers done")
+    finally:
+        for worker in workers:
+            _stop(worker)
+    ids = shard_ids(out / "t")
+    assert len(ids) == len(set(ids)) == 200
+    beats = r.hgetall(keys.WORKERS)
+    assert not beats, "stopped workers must remove their heartbeats"
+    assert verify(out / "t") == []
+
+
+def test_low_disk_pauses_the_stage_and_it_resumes(
+    r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: Path
+) -> None:
+    out.mkdir()
+    threshold = free_bytes(out) - 64 * 1024**2
+    with InProcess(r, options(out, min_free_bytes=threshold), "c1") as running:
+        ballast = out / "ballast"
+        with open(ballast, "wb") as fh:  # take 256 MB: free space drops below threshold
+            os.posix_fallocate(fh.fileno(), 0, 256 * 1024**2)
+        wait_for(lambda: running.consumer.state.paused_for_disk, what="the disk pause")
+        push(r, [make_result(smollm2_tokenizer, spec, i) for i in range(30)])
+        # Paused: nothing is read or written while space is short.
+        assert not running.consumer.state.writers.get("t") or not list((out / "t").glob("shard-*"))
+        assert r.xlen(keys.results_stream("t")) == 30
+        ballast.unlink()
+        wait_for(lambda: settled(r, "t", 30), what="the stage to resume and commit")
+    assert sorted(shard_ids(out / "t")) == sorted(
+        make_result(smollm2_tokenizer, spec, i).id for i in range(30)
+    )
