@@ -1,0 +1,97 @@
+"""Run real generate workers (Celery subprocesses) against a real Redis in tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from common import jobspec, keys
+from common.celery_app import make_app
+from common.queues import queued_chunks
+from common.results import GeneratedResult
+from producer.enqueue import Enqueuer
+from producer.spec import JobOptions, prepare_job
+from tests.helpers import write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+# Short enough that a killed worker's chunk comes back within a test, long enough that a
+# healthy chunk finishes first.
+VISIBILITY_TIMEOUT_S = 8
+
+
+def enqueue_prompts(
+    url: str, tmp_path: Path, prompts: list[str], job: str = "g", **options: Any
+) -> jobspec.JobSpec:
+    path = write_jsonl(tmp_path / f"{job}.jsonl", [{"prompt": p} for p in prompts])
+    options.setdefault("max_new_tokens", 48)
+    options.setdefault("chunk_size", 4)
+    prepared = prepare_job(JobOptions(job=job, model="smollm2", **options))
+    r = redis.Redis.from_url(url)
+    jobspec.save(r, prepared.spec)
+    Enqueuer(r, make_app(url), prepared, high_water=10_000).run([path])
+    return prepared.spec
+
+
+class Worker:
+    """`regen worker generate ...` as a subprocess, its log in a file."""
+
+    def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
+        self.log_path = log_dir / f"worker-{len(list(log_dir.glob('worker-*')))}.log"
+        full_env = {
+            **os.environ, "PYTHONPATH": str(REPO),
+            "REGEN_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT_S),
+            "REGEN_RESTORE_INTERVAL": "1", "REGEN_RESTORE_THROTTLE": "1",
+            **(env or {}),
+        }  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "regen", "worker", "generate", "--redis-url", url,
+                 "--loglevel", "INFO", *args],
+                env=full_env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def results(r: redis.Redis, job: str) -> list[GeneratedResult]:
+    return [GeneratedResult.from_fields(fields)
+            for _, fields in r.xrange(keys.results_stream(job))]  # fmt: skip
+
+
+def result_ids(r: redis.Redis, job: str) -> set[str]:
+    return {res.id for res in results(r, job)}
+
+
+def all_acked(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
+    """No chunk waiting in the queue and none delivered but unacknowledged."""
+    return queued_chunks(r, spec.queue) == 0 and r.hlen("unacked") == 0
+
+
+def enqueued_ids(r: redis.Redis, job: str) -> set[str]:
+    return {m.decode() for m in r.smembers(keys.job_ids(job))}

@@ -1,0 +1,159 @@
+"""The generate stage: real Celery workers driving the SGLang engine against stand-ins."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from common import dlq, jobspec, keys
+from tests.generate_harness import (
+    Worker,
+    all_acked,
+    enqueue_prompts,
+    enqueued_ids,
+    result_ids,
+    results,
+)
+from tests.helpers import wait_for
+from tests.sglang_standin.process import run_standin
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
+
+
+def test_results_are_exactly_the_servers_output(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
+    with run_standin() as server, Worker(redis_url, tmp_path, "--engine", "sglang",
+                                         "--server", server.url, "--jobs", "g"):  # fmt: skip
+        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                 timeout=120, what="all chunks generated and acked")  # fmt: skip
+        beats = r.hgetall(keys.WORKERS)
+        got = results(r, "g")
+        expected = [server_output(server, res.prompt_ids, spec) for res in got]
+    assert len(got) == len(PROMPTS)
+    for result, want in zip(got, expected, strict=True):
+        assert result.output_ids == want["output_ids"]
+        assert result.text == want["text"]
+        assert result.finish_reason == want["meta_info"]["finish_reason"]
+        assert result.server == server.url
+    assert beats and all(b"generate@" in name for name in beats)
+
+
+def server_output(server: object, prompt_ids: list[int], spec: jobspec.JobSpec) -> dict:
+    response = server.generate({"input_ids": prompt_ids, "sampling_params": spec.sampling})  # type: ignore[attr-defined]
+    response.raise_for_status()
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_transient_failures_are_retried(redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
+    with run_standin(fault=("500:2", "503:3", "drop:2")) as server, Worker(
+        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+    ):  # fmt: skip
+        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                 timeout=180, what="all results despite injected faults")  # fmt: skip
+        stats = server.stats()
+    assert dlq.count(r, "g", "generate") == 0
+    served = sum(v for k, v in stats.items() if k.startswith("fault_"))
+    assert served >= 7, stats
+
+
+def test_a_prompt_too_long_for_the_server_is_dead_lettered_alone(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    long_prompt = "Please repeat: " + "words " * 400
+    spec = enqueue_prompts(redis_url, tmp_path, [*PROMPTS[:5], long_prompt])
+    with run_standin(context_length=300) as server, Worker(
+        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+    ):  # fmt: skip
+        wait_for(lambda: all_acked(r, spec) and len(result_ids(r, "g")) == 5,
+                 timeout=120, what="the chunk to finish")  # fmt: skip
+    (letter,) = list(dlq.entries(r, "g", "generate"))
+    assert letter.reason == "rejected_by_server"
+    assert "context length" in letter.message.lower() or "longer" in letter.message.lower()
+    assert letter.payload["messages"][-1]["content"] == long_prompt.strip()
+    assert letter.prompt_id not in result_ids(r, "g")
+
+
+def test_a_server_that_dies_and_returns_pauses_the_worker_without_dead_letters(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS * 1 + [p + "?" for p in PROMPTS])
+    with run_standin(decode_tokens_per_s=40) as server, Worker(
+        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+    ) as worker:  # fmt: skip
+        wait_for(lambda: len(result_ids(r, "g")) >= 2, timeout=120, what="first results")
+        server.kill()
+        time.sleep(3)  # down for a while: requests in flight fail, new ones must wait
+        assert worker.process.poll() is None
+        server.restart()
+        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                 timeout=240, what="the run to finish after the restart")  # fmt: skip
+    assert dlq.count(r, "g", "generate") == 0
+
+
+def test_two_servers_share_the_load_and_one_dying_shifts_it(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    prompts = [f"Question {i} about rivers" for i in range(40)]
+    spec = enqueue_prompts(redis_url, tmp_path, prompts)
+    with run_standin(decode_tokens_per_s=60, max_running_requests=4) as a, run_standin(
+        decode_tokens_per_s=60, max_running_requests=4
+    ) as b, Worker(redis_url, tmp_path, "--engine", "sglang", "--server", a.url,
+                   "--server", b.url, "--max-inflight", "4", "--jobs", "g"):  # fmt: skip
+        wait_for(lambda: len(result_ids(r, "g")) >= 8, timeout=120, what="first results")
+        served = {res.server for res in results(r, "g")}
+        assert served == {a.url, b.url}, served
+        b.kill()
+        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                 timeout=240, what="the survivor to finish the job")  # fmt: skip
+        stats_a = a.stats()
+    assert dlq.count(r, "g", "generate") == 0
+    assert stats_a["peak_running"] <= 4
+    late = results(r, "g")[-5:]
+    assert all(res.server == a.url for res in late)
+
+
+def test_a_worker_killed_mid_chunk_has_its_chunk_redelivered(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS[:8], chunk_size=8)
+    with run_standin(decode_tokens_per_s=30) as server:
+        doomed = Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url,
+                        "--jobs", "g")  # fmt: skip
+        wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="a first result")
+        doomed.kill()
+        assert len(result_ids(r, "g")) < 8, "the chunk finished before the kill"
+        with Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url,
+                    "--jobs", "g"):  # fmt: skip
+            wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                     timeout=180, what="the redelivered chunk to finish")  # fmt: skip
+    assert dlq.count(r, "g", "generate") == 0
+
+
+def test_a_poison_chunk_is_dead_lettered_after_max_attempts(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, ["POISON: this prompt kills the engine"],
+                           chunk_size=1)  # fmt: skip
+    env = {"REGEN_TEST_POISON": "POISON"}
+    deaths = 0
+    deadline = time.monotonic() + 240
+    while dlq.count(r, "g", "generate") == 0:
+        assert time.monotonic() < deadline, "never dead-lettered"
+        worker = Worker(redis_url, tmp_path, "--engine", "tests.poison_engine:make",
+                        "--jobs", "g", "--max-attempts", "3", env=env)  # fmt: skip
+        while worker.process.poll() is None and dlq.count(r, "g", "generate") == 0:
+            time.sleep(0.1)
+        deaths += worker.process.returncode is not None and worker.process.returncode < 0
+        worker.stop()
+    (letter,) = list(dlq.entries(r, "g", "generate"))
+    assert letter.reason == "poison_chunk"
+    assert deaths == 3 and len(letter.history) == 4
+    wait_for(lambda: all_acked(r, spec), timeout=30, what="the poison chunk to be acked")
