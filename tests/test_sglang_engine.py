@@ -8,6 +8,8 @@ never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,7 +26,8 @@ from consumers.generate.engine import (
 )
 from consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from tests.sglang_standin import StandinHandle, run_standin, start_standin
-from tests.sglang_standin.completer import load_tokenizer
+from tests.sglang_standin.completer import Completer, load_tokenizer
+from tests.sglang_standin.config import LengthDist
 from tests.sglang_standin.process import free_port
 
 pytestmark = pytest.mark.slow
@@ -71,7 +74,8 @@ def request(i: int, max_new_tokens: int = 200, length: int = 6) -> GenerateReque
 
 
 def expected(server: StandinHandle, req: GenerateRequest) -> dict[str, Any]:
-    """What the stand-in answers for this prompt (deterministic, rid-independent)."""
+    """What a stand-in answers for this prompt: a function of the prompt, tokenizer and
+    length spread only, so the fast shared stand-in answers for the slow ones too."""
     body = {"input_ids": req.prompt_ids, "sampling_params": req.sampling, "rid": req.rid + "-x"}
     response = server.generate(body)
     response.raise_for_status()
@@ -139,10 +143,9 @@ def test_standin_contract(server: StandinHandle, tokenizer: Any) -> None:
     assert capped["output_ids"] == out["output_ids"][:3]
     assert capped["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
+    # No max_new_tokens: SGLang's default of 128.
     default = server.generate({"input_ids": prompt, "sampling_params": {"ignore_eos": True}}).json()
-    assert (
-        len(default["output_ids"]) == 128 and eos not in default["output_ids"]
-    )  # SGLang's default
+    assert len(default["output_ids"]) == 128 and eos not in default["output_ids"]
 
     stop_at = out["output_ids"][2]
     stopped = server.generate(
@@ -160,22 +163,39 @@ def test_standin_contract(server: StandinHandle, tokenizer: Any) -> None:
     assert bad_batch.status_code == 400 and "out of range" in bad_batch.json()["error"]["message"]
     assert server.generate({"input_ids": prompt, "stream": True}).status_code == 400
 
-    info = httpx.get(server.url + "/model_info").json()
+    info = server.get("/model_info").json()
     assert info["is_generation"] and info["model_path"] and info["tokenizer_path"]
-    assert httpx.get(server.url + "/server_info").json()["context_length"] == 1024
-    metrics = httpx.get(server.url + "/metrics").text
+    assert server.get("/server_info").json()["context_length"] == 1024
+    metrics = server.get("/metrics").text
     for name in ("num_running_reqs", "num_queue_reqs", "generation_tokens_total", "gen_throughput"):
         assert f"sglang:{name}{{" in metrics
     server.fault(healthy=False)
-    assert httpx.get(server.url + "/health_generate").status_code == 503
+    assert server.get("/health_generate").status_code == 503
     server.fault(clear=True)
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.get("/health").status_code == 200
+
+
+def test_standin_lengths_follow_the_configured_spread(tokenizer: Any) -> None:
+    def completer(spread: str, think: bool = False) -> Completer:
+        return Completer(tokenizer, LengthDist.parse(spread), eos_id=None, think=think, seed=0)
+
+    done = completer("fixed:n=10").complete([5, 6, 7], {"max_new_tokens": 100})
+    assert len(done.output_ids) == 11 and done.output_ids[-1] == tokenizer.eos_token_id
+    thinking = completer("fixed:n=200", think=True).complete([5], {"max_new_tokens": 999})
+    assert "</think>" in thinking.text and not thinking.text.startswith("</think>")
+
+    for spec in ("fixed:n=10", "uniform:min=3,max=9", "lognormal:mean=50,sigma=0.5"):
+        assert LengthDist.parse(LengthDist.parse(spec).spec()) == LengthDist.parse(spec)
+    spread = LengthDist.parse("lognormal:median=100,sigma=1.0,min=1,max=5000")
+    lengths = sorted(spread.sample(random.Random(i)) for i in range(2000))
+    median, p99 = lengths[1000], lengths[1980]
+    assert 80 < median < 125 and p99 > 5 * median  # a long right tail, like real answers
 
 
 def test_standin_queue_full_and_context_length(server: StandinHandle) -> None:
     long_prompt = list(range(100, 1100))  # 1000 tokens, context 1024
-    status = lambda body: server.generate(body).status_code  # noqa: E731
-    assert status({"input_ids": long_prompt}) == 200  # only an explicit max_new_tokens counts
+    # Only an explicit max_new_tokens counts toward the context check, as in SGLang.
+    assert server.generate({"input_ids": long_prompt}).status_code == 200
     too_long = server.generate(
         {"input_ids": long_prompt, "sampling_params": {"max_new_tokens": 100}}
     )
@@ -186,7 +206,7 @@ def test_standin_queue_full_and_context_length(server: StandinHandle) -> None:
 
     async def fill_then_overflow() -> tuple[list[int], httpx.Response]:
         server.fault("delay", count=8, delay_s=1.0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as client:
             held = [
                 asyncio.create_task(client.post("/generate", json={"input_ids": [i + 5]}))
                 for i in range(8)
@@ -311,24 +331,39 @@ def test_keepalive_connection_closed_by_idle_server_is_replaced(server: StandinH
     assert reopened == opened + 1
 
 
-def test_no_server_waits_until_the_deadline_and_redacts_credentials() -> None:
-    url = f"http://user:s3cret@127.0.0.1:{free_port()}"
-
+def test_with_no_server_generate_waits_until_the_deadline() -> None:
     async def run() -> None:
-        async with engine(url, give_up_after_s=0.5) as e:
+        async with engine(f"http://127.0.0.1:{free_port()}", give_up_after_s=0.5) as e:
             assert not await e.health() and e.capacity() == 0 and e.healthy_servers() == []
             assert not await e.wait_until_healthy(0.2)
-            with pytest.raises(EngineUnavailable) as raised:
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailable, match="before the deadline"):
                 await e.generate(request(1))
-            assert "s3cret" not in str(raised.value)
-            assert "s3cret" not in repr(e.stats()) and e.stats()["servers"][0]["url"].startswith(
-                "http://***@"
-            )
+            assert time.monotonic() - started >= 0.5
+            with pytest.raises(EngineUnavailable):  # a per-call deadline wins
+                await e.generate(request(2), deadline=time.monotonic() + 0.1)
 
     asyncio.run(run())
 
 
-def test_killed_server_restarts_and_every_request_completes(tokenizer: Any) -> None:
+def test_credentials_in_a_server_url_never_reach_logs_or_stats(
+    server: StandinHandle, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = server.url.replace("http://", "http://user:s3cret@")
+
+    async def run() -> tuple[GenerateResult, dict[str, Any]]:
+        async with engine(url) as e:
+            return await e.generate(request(3)), e.stats()
+
+    result, stats = asyncio.run(run())
+    assert result.server == stats["servers"][0]["url"] == url.replace("user:s3cret", "***")
+    assert "HTTP Request" in caplog.text and "s3cret" not in caplog.text + repr(stats)
+
+
+def test_killed_server_restarts_and_every_request_completes(
+    server: StandinHandle, tokenizer: Any
+) -> None:
     with run_standin(max_running_requests=4, decode_tokens_per_s=400, output_len_dist=SHORT) as s:
         reqs = [request(400 + i) for i in range(32)]
 
@@ -341,18 +376,25 @@ def test_killed_server_restarts_and_every_request_completes(tokenizer: Any) -> N
                 tasks += [asyncio.create_task(e.generate(r)) for r in reqs[24:]]
                 assert not [t for t in tasks if t.done() and t.exception()], "a request failed"
                 assert e.capacity() == 0
-                await asyncio.to_thread(s.restart)
+                # The new process answers /health_generate with 503 while "starting".
+                await asyncio.to_thread(s.restart, startup_delay=1.0)
                 return await asyncio.gather(*tasks), e.stats()
 
         results, stats = asyncio.run(run())
         for req, result in zip(reqs, results, strict=True):
-            assert_matches(result, expected(s, req), tokenizer)
+            assert_matches(result, expected(server, req), tokenizer)
         assert stats["servers"][0]["healthy"]
-        assert stats["servers"][0]["failures_by_kind"]["connect"] >= 1
+        failures = stats["servers"][0]["failures_by_kind"]
+        assert failures["disconnect"] >= 1 and failures["connect"] >= 1  # in flight, then new
+        assert s.stats()["health_generate_503"] >= 1  # probed while starting, kept waiting
 
 
-def test_two_servers_share_load_and_one_dying_shifts_it_all(tokenizer: Any) -> None:
-    options = dict(max_running_requests=4, decode_tokens_per_s=400, output_len_dist=SHORT)
+def test_two_servers_share_load_and_one_dying_shifts_it_all(
+    server: StandinHandle, tokenizer: Any
+) -> None:
+    options: dict[str, Any] = dict(
+        max_running_requests=4, decode_tokens_per_s=400, output_len_dist=SHORT
+    )
     a, b = start_standin(**options), start_standin(**options)
     try:
         a.wait_ready()
@@ -378,7 +420,7 @@ def test_two_servers_share_load_and_one_dying_shifts_it_all(tokenizer: Any) -> N
         assert set(by_server) == {a.url, b.url} and by_server[b.url] > by_server[a.url]
         assert [s["healthy"] for s in stats["servers"]] == [False, True]
         for req, result in zip(reqs, results, strict=True):
-            assert_matches(result, expected(b, req), tokenizer)
+            assert_matches(result, expected(server, req), tokenizer)
     finally:
         a.close()
         b.close()

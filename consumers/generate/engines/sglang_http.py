@@ -1,0 +1,232 @@
+"""The Engine for SGLang servers over HTTP: one `POST /generate` per prompt.
+
+Prompts are never batched into one call, because SGLang fails a whole batch with HTTP 400
+when one item is bad. What each failure says about the server, and what happens to the
+request, is in sglang_replies; a down server gets no requests until its health probe
+passes again (sglang_pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from common import defaults
+from consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
+from consumers.generate.engines.sglang_pool import ServerPool, ServerState
+from consumers.generate.engines.sglang_replies import (
+    Failure,
+    classify_error,
+    parse_result,
+    transport_failure,
+)
+
+log = logging.getLogger(__name__)
+
+# SGLang (uvicorn) closes idle keep-alive connections after 5 s; dropping ours first
+# avoids sending a request down a socket the server is closing.
+KEEPALIVE_EXPIRY_S = 4.0
+CONNECT_TIMEOUT_S = 10.0
+# How often a healthy server is re-probed; down servers are re-probed sooner.
+HEALTH_INTERVAL_S = 10.0
+# /health_generate answers within SGLang's 20 s HEALTH_CHECK_TIMEOUT, even when wedged.
+HEALTH_TIMEOUT_S = 30.0
+BACKOFF_BASE_S = 0.1
+BACKOFF_MAX_S = 10.0
+MAX_BAD_ANSWERS = 5
+
+
+class SGLangHTTPEngine:
+    name = "sglang"
+
+    def __init__(
+        self,
+        servers: list[str],
+        *,
+        max_inflight_per_server: int = defaults.MAX_INFLIGHT_PER_SERVER,
+        request_timeout_s: float = defaults.REQUEST_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
+        health_path: str = "/health_generate",
+        health_interval_s: float = HEALTH_INTERVAL_S,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+        backoff_base_s: float = BACKOFF_BASE_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        max_bad_answers: int = MAX_BAD_ANSWERS,
+        give_up_after_s: float | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """`health_path`: /health_generate, because since SGLang 0.5 /health answers 200
+        without asking the scheduler, so a wedged server passes it; /health_generate runs
+        (or, under load, piggybacks on) a real one-token generation.
+
+        `give_up_after_s`: how long one generate() may wait for a usable server before
+        raising EngineUnavailable. None (the default) waits for ever: an outage is not
+        the prompt's fault (DESIGN.md invariant 6), and failing would only send the chunk
+        round Celery's retries and burn its attempt cap. A worker whose task must end
+        before the broker's visibility timeout passes `deadline` to generate() instead.
+        """
+        self._pool = ServerPool(
+            servers,
+            max_inflight_per_server,
+            self._probe,
+            health_interval_s=health_interval_s,
+            backoff_base_s=backoff_base_s,
+            backoff_max_s=backoff_max_s,
+        )
+        self._health_path = health_path
+        self._health_timeout_s = health_timeout_s
+        self._backoff_base_s = backoff_base_s
+        self._backoff_max_s = backoff_max_s
+        self._max_bad_answers = max_bad_answers
+        self._give_up_after_s = give_up_after_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s, pool=None),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=max_inflight_per_server * len(servers),
+                keepalive_expiry=keepalive_expiry_s,
+            ),
+            # Inference servers sit on private networks; an HTTP(S)_PROXY meant for the
+            # internet must not silently capture every request.
+            trust_env=False,
+        )
+
+    async def __aenter__(self) -> SGLangHTTPEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- Engine protocol ---------------------------------------------------------------
+    async def generate(
+        self, request: GenerateRequest, *, deadline: float | None = None
+    ) -> GenerateResult:
+        """Complete one prompt, retrying through outages; `deadline` is time.monotonic()."""
+        self._pool.start()
+        if deadline is None and self._give_up_after_s is not None:
+            deadline = time.monotonic() + self._give_up_after_s
+        failures = bad = disconnects = 0
+        while True:
+            try:
+                server = await self._pool.acquire(deadline)
+            except TimeoutError:
+                raise EngineUnavailable(
+                    f"no SGLang server usable before the deadline ({self._describe()})"
+                ) from None
+            # Each retry gets its own rid: the server may still be running (or only
+            # now aborting) the previous attempt, and SGLang refuses a duplicate rid.
+            rid = request.rid if failures == 0 else f"{request.rid}~{failures}"
+            try:
+                result = await self._attempt(server, request, rid)
+            except Failure as failure:
+                self._pool.release(server, ok=False)
+                failures += 1
+                disconnects += failure.kind == "disconnect"
+                if failure.kind == "disconnect" and disconnects == 1:
+                    self._pool.record(server, failure.kind, failure.message)
+                    continue
+                self._note(server, failure)
+                bad += failure.bad
+                if bad >= self._max_bad_answers:
+                    raise EngineUnavailable(
+                        f"{bad} bad answers for rid {request.rid}; last from "
+                        f"{server.label}: {failure.kind}: {failure.message}"
+                    ) from None
+                await self._sleep_backoff(failures, deadline)
+                continue
+            except BaseException:  # PromptRejected, or cancellation of the caller
+                self._pool.release(server, ok=False)
+                raise
+            self._pool.release(server, ok=True)
+            return result
+
+    async def health(self) -> bool:
+        """True when at least one server passed its last health probe.
+
+        Answers from the watchers' latest probes, so calling it often (heartbeats) costs
+        nothing; only a server never probed yet is probed first (SGLang's
+        /health_generate takes a second or more).
+        """
+        self._pool.start()
+        await self._pool.probe_unprobed()
+        return bool(self._pool.healthy())
+
+    def capacity(self) -> int:
+        return sum(s.cap for s in self._pool.healthy())
+
+    def stats(self) -> dict[str, Any]:
+        return {"engine": self.name, "servers": [s.snapshot() for s in self._pool.servers]}
+
+    async def close(self) -> None:
+        await self._pool.close()
+        await self._client.aclose()
+
+    # --- helpers for the worker ----------------------------------------------------------
+    def healthy_servers(self) -> list[str]:
+        """Redacted URLs of the servers that passed their last health probe."""
+        return [s.label for s in self._pool.healthy()]
+
+    async def wait_until_healthy(self, timeout: float | None = None) -> bool:
+        """Wait until a server is healthy; False if `timeout` seconds pass first."""
+        return await self._pool.wait_until_healthy(timeout)
+
+    # --- one attempt ---------------------------------------------------------------------
+    async def _attempt(
+        self, server: ServerState, request: GenerateRequest, rid: str
+    ) -> GenerateResult:
+        body = {"input_ids": request.prompt_ids, "sampling_params": request.sampling, "rid": rid}
+        started = time.monotonic()
+        try:
+            response = await self._client.post(
+                server.url + "/generate",
+                auth=server.auth or httpx.USE_CLIENT_DEFAULT,
+                content=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},
+            )
+        except httpx.TransportError as exc:
+            raise transport_failure(exc) from None
+        if response.status_code == 200:
+            return parse_result(response.content, request, server.label, started)
+        raise classify_error(response, server.label)
+
+    def _note(self, server: ServerState, failure: Failure) -> None:
+        if failure.kind == "overloaded":
+            self._pool.mark_overloaded(server, failure.message)
+        elif failure.down:
+            self._pool.mark_down(server, failure.kind, failure.message)
+        else:
+            self._pool.record(server, failure.kind, failure.message)
+        if failure.bad:
+            log.warning("bad answer from %s: %s: %s", server.label, failure.kind, failure.message)
+        else:
+            log.debug("retrying after %s from %s: %s", failure.kind, server.label, failure.message)
+
+    async def _sleep_backoff(self, failures: int, deadline: float | None) -> None:
+        """Exponential backoff with full jitter, so a fleet of retries does not stampede."""
+        delay = random.uniform(0, min(self._backoff_max_s, self._backoff_base_s * 2**failures))
+        if deadline is not None:
+            delay = min(delay, max(0.0, deadline - time.monotonic()))
+        await asyncio.sleep(delay)
+
+    async def _probe(self, server: ServerState) -> bool:
+        try:
+            response = await self._client.get(
+                server.url + self._health_path,
+                auth=server.auth or httpx.USE_CLIENT_DEFAULT,
+                timeout=self._health_timeout_s,
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _describe(self) -> str:
+        return "; ".join(f"{s.label}: {s.last_error or 'no error'}" for s in self._pool.servers)

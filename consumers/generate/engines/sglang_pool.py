@@ -1,0 +1,234 @@
+"""The SGLang servers one engine spreads its requests over, and what it knows about each.
+
+A server is routable when its last health probe passed, it is not backing off after an
+overload (HTTP 503), and it has a free in-flight slot; among those the least loaded wins.
+A request failure marks a server down at once, and its watcher re-probes it right away,
+then with growing delays: routing never waits for a timer to find out a server died,
+and a restarted server is back within one probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+# Re-probe delay for a server that is down: starts here, doubles up to the interval.
+DOWN_RECHECK_MIN_S = 0.1
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
+    """Wait until `event` is set or `timeout` passes.
+
+    Not asyncio.wait_for: on Python < 3.12 it swallows a cancellation that arrives as the
+    event fires, and a task that cannot be cancelled hangs close() and worker shutdown.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+
+
+def split_credentials(url: str) -> tuple[str, str, httpx.BasicAuth | None]:
+    """(URL to request, label for logs and stats, auth) for a server URL.
+
+    Credentials move out of the URL into an auth object, because httpx logs request
+    URLs in full; the label also drops the query, where API keys tend to hide.
+    """
+    parsed = httpx.URL(url.rstrip("/"))
+    if not parsed.userinfo:
+        return str(parsed), str(parsed.copy_with(query=None, fragment=None)), None
+    auth = httpx.BasicAuth(parsed.username, parsed.password)
+    label = parsed.copy_with(userinfo=b"***", query=None, fragment=None)
+    return str(parsed.copy_with(userinfo=b"")), str(label), auth
+
+
+@dataclass(eq=False)
+class ServerState:
+    url: str
+    label: str
+    cap: int
+    auth: httpx.BasicAuth | None = None
+    healthy: bool = False
+    probed: bool = False
+    inflight: int = 0
+    picks: int = 0
+    completed: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    last_error: str | None = None
+    overload_until: float = 0.0
+    overload_streak: int = 0
+    # Bumped when a request marks the server down, so a probe that started before the
+    # failure cannot flip it back to healthy with stale news.
+    epoch: int = 0
+    recheck: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and self.overload_until <= now and self.inflight < self.cap
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "url": self.label,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "completed": self.completed,
+            "failures_by_kind": dict(self.failures),
+            "last_error": self.last_error,
+            "overloaded_for_s": max(0.0, self.overload_until - time.monotonic()),
+        }
+
+
+class ServerPool:
+    def __init__(
+        self,
+        urls: list[str],
+        cap: int,
+        probe: Callable[[ServerState], Awaitable[bool]],
+        *,
+        health_interval_s: float,
+        backoff_base_s: float,
+        backoff_max_s: float,
+    ) -> None:
+        if not urls:
+            raise ValueError("SGLang engine needs at least one server URL")
+        if cap < 1:
+            raise ValueError("max_inflight_per_server must be >= 1")
+        self.servers: list[ServerState] = []
+        for raw in urls:
+            url, label, auth = split_credentials(raw)
+            self.servers.append(ServerState(url, label, cap, auth))
+        self._probe = probe
+        self._health_interval_s = health_interval_s
+        self._backoff_base_s = backoff_base_s
+        self._backoff_max_s = backoff_max_s
+        self._watchers: list[asyncio.Task[None]] = []
+        # Replaced on every change: a waiter grabs the current event before checking,
+        # so a change between its check and its wait is never missed.
+        self._changed = asyncio.Event()
+
+    def start(self) -> None:
+        if not self._watchers:
+            self._watchers = [asyncio.create_task(self._watch(s)) for s in self.servers]
+
+    async def close(self) -> None:
+        for task in self._watchers:
+            task.cancel()
+        for task in self._watchers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def healthy(self) -> list[ServerState]:
+        return [s for s in self.servers if s.healthy]
+
+    # --- routing -----------------------------------------------------------------------
+    async def acquire(self, deadline: float | None) -> ServerState:
+        """A routable server with its slot taken; TimeoutError once `deadline` passes."""
+        while True:
+            changed = self._changed
+            now = time.monotonic()
+            candidates = [s for s in self.servers if s.routable(now)]
+            if candidates:
+                server = min(candidates, key=lambda s: (s.inflight, s.picks))
+                server.inflight += 1
+                server.picks += 1
+                return server
+            wake = [s.overload_until for s in self.servers if s.healthy and s.overload_until > now]
+            if deadline is not None:
+                if now >= deadline:
+                    raise TimeoutError
+                wake.append(deadline)
+            timeout = max(0.0, min(wake) - now) if wake else None
+            await wait_event(changed, timeout)
+
+    def release(self, server: ServerState, *, ok: bool) -> None:
+        server.inflight -= 1
+        if ok:
+            server.completed += 1
+            server.overload_streak = 0
+        self._notify()
+
+    def mark_down(self, server: ServerState, kind: str, error: str) -> None:
+        self.record(server, kind, error)
+        server.epoch += 1
+        server.recheck.set()
+        if server.healthy:
+            server.healthy = False
+            log.warning("SGLang server %s is down (%s: %s)", server.label, kind, error)
+            self._notify()
+
+    def mark_overloaded(self, server: ServerState, error: str) -> None:
+        """Back off a server that refused work (queue full): busy, not dead."""
+        self.record(server, "overloaded", error)
+        server.overload_streak += 1
+        ceiling = min(self._backoff_max_s, self._backoff_base_s * 2**server.overload_streak)
+        server.overload_until = time.monotonic() + ceiling * random.uniform(0.5, 1.0)
+        self._notify()
+
+    def record(self, server: ServerState, kind: str, error: str) -> None:
+        """Count a failure; alone, it says nothing about the server's health."""
+        server.failures[kind] += 1
+        server.last_error = f"{kind}: {error}"
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # --- health --------------------------------------------------------------------------
+    async def wait_until_healthy(self, timeout: float | None) -> bool:
+        self.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.healthy():
+            changed = self._changed
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            await wait_event(changed, remaining)
+        return True
+
+    async def probe_unprobed(self) -> None:
+        """Probe now the servers no probe has answered for yet (the watchers do the rest)."""
+        await asyncio.gather(*(self._probe_once(s) for s in self.servers if not s.probed))
+
+    async def _probe_once(self, server: ServerState) -> bool:
+        epoch = server.epoch
+        ok = await self._probe(server)
+        server.probed = True
+        if server.epoch != epoch:  # a request failed meanwhile: trust that, probe again
+            server.recheck.set()
+            return False
+        if ok != server.healthy:
+            server.healthy = ok
+            if ok:
+                log.info("SGLang server %s is healthy", server.label)
+            else:
+                self.record(server, "health", "health probe failed")
+                log.warning("SGLang server %s failed its health probe", server.label)
+            self._notify()
+        return ok
+
+    async def _watch(self, server: ServerState) -> None:
+        delay = 0.0
+        down_delay = DOWN_RECHECK_MIN_S
+        while True:
+            await wait_event(server.recheck, delay)
+            server.recheck.clear()
+            try:
+                ok = await self._probe_once(server)
+            except Exception:  # a watcher must outlive any one bad probe
+                log.exception("health probe of %s crashed", server.label)
+                ok = False
+            if ok:
+                delay, down_delay = self._health_interval_s, DOWN_RECHECK_MIN_S
+            else:
+                delay, down_delay = down_delay, min(self._health_interval_s, down_delay * 2)

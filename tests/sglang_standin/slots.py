@@ -1,0 +1,69 @@
+"""Running slots, the waiting queue and the accounting a benchmark reads back.
+
+Like SGLang's scheduler: at most `capacity` requests run, the rest wait in FIFO order,
+and a request arriving to a full waiting queue is refused (the caller answers 503).
+`busy_slot_s` integrates the number of running requests over time, so
+utilization = busy_slot_s / (capacity x wall time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Slots:
+    def __init__(self, capacity: int, max_queued: int | None) -> None:
+        self.capacity = capacity
+        self.max_queued = max_queued
+        self.running = 0
+        self.peak_running = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._busy_slot_s = 0.0
+        self._since = time.monotonic()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def busy_slot_s(self) -> float:
+        return self._busy_slot_s + self.running * (time.monotonic() - self._since)
+
+    def _set_running(self, running: int) -> None:
+        now = time.monotonic()
+        self._busy_slot_s += self.running * (now - self._since)
+        self._since = now
+        self.running = running
+        self.peak_running = max(self.peak_running, running)
+
+    async def acquire(self) -> None:
+        if self.running < self.capacity and not self._waiting:
+            self._set_running(self.running + 1)
+            return
+        if self.max_queued is not None and len(self._waiting) + 1 > self.max_queued:
+            raise QueueFull("The request queue is full.")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            # release() hands its slot straight to us: `running` never dips, so a queued
+            # request cannot be overtaken by one that arrives later.
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            elif waiter in self._waiting:
+                self._waiting.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._set_running(self.running - 1)
