@@ -23,7 +23,9 @@ class PoisonEngine:
         self._tokenizer = load_tokenizer("smollm2")
         self._marker = os.environ["REGEN_TEST_POISON"]
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def generate(
+        self, request: GenerateRequest, *, deadline: float | None = None
+    ) -> GenerateResult:
         if self._marker in self._tokenizer.decode(request.prompt_ids):
             os.kill(os.getpid(), signal.SIGKILL)
         answer = "Fine."

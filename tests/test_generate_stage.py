@@ -157,3 +157,22 @@ def test_a_poison_chunk_is_dead_lettered_after_max_attempts(
     assert letter.reason == "poison_chunk"
     assert deaths == 3 and len(letter.history) == 4
     wait_for(lambda: all_acked(r, spec), timeout=30, what="the poison chunk to be acked")
+
+
+def test_a_long_outage_gives_chunks_back_without_spending_attempts(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS[:8], chunk_size=4)
+    with run_standin(decode_tokens_per_s=20) as server, Worker(
+        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g",
+        "--max-attempts", "1",
+    ) as worker:  # fmt: skip
+        wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="first results")
+        server.kill()
+        # Longer than the give-back point (3/4 of the visibility timeout).
+        wait_for(lambda: "giving it back" in worker.log(), timeout=60, what="a chunk given back")
+        server.restart()
+        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                 timeout=240, what="the run to finish after the outage")  # fmt: skip
+    # With --max-attempts 1 any counted failure would have dead-lettered the chunk.
+    assert dlq.count(r, "g", "generate") == 0

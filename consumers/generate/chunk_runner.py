@@ -24,6 +24,7 @@ import orjson
 import redis
 
 from common import defaults, dlq, jobspec, keys
+from common.celery_app import visibility_timeout
 from common.chunk import Chunk, ChunkPrompt
 from common.heartbeat import RateMeter
 from common.results import GeneratedResult
@@ -39,7 +40,15 @@ log = logging.getLogger("regen.generate")
 
 # Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
 # acknowledgement still finds which prompts are done; then it expires (flat memory).
-CHUNK_STATE_TTL_S = 2 * defaults.VISIBILITY_TIMEOUT_S
+CHUNK_STATE_TTL_S = 2 * visibility_timeout()
+# A chunk still waiting for an unavailable engine this far into the visibility timeout is
+# given back to the queue (results already handed off stay done), rather than be
+# redelivered to a second worker while this one still holds it.
+GIVE_BACK_AFTER_S = 0.75 * visibility_timeout()
+
+
+class ChunkDeferred(Exception):
+    """The engine stayed unavailable until the chunk's deadline: give the chunk back."""
 
 
 @dataclass
@@ -132,13 +141,17 @@ def _dead_letter_all(
     pipe.execute()
 
 
-async def _generate_with_retry(runner: EngineRunner, request: GenerateRequest) -> GenerateResult:
+async def _generate_with_retry(
+    runner: EngineRunner, request: GenerateRequest, deadline: float
+) -> GenerateResult:
     """Retry while the engine is unavailable: a dead server is not a bad prompt."""
     delay = 1.0
     while True:
         try:
-            return await runner.engine.generate(request)
+            return await runner.engine.generate(request, deadline=deadline)
         except EngineUnavailable as exc:
+            if time.monotonic() >= deadline:
+                raise ChunkDeferred(str(exc)) from exc
             log.warning(
                 "engine unavailable for %s (%s); retrying in ~%.0f s", request.rid, exc, delay
             )
@@ -228,6 +241,9 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
         return ChunkOutcome(0, len(done), len(todo))
     try:
         return _generate_all(ctx, chunk, todo, attempt, skipped=len(done))
+    except ChunkDeferred:
+        end_attempt(ctx, chunk, attempt, "returned")  # not a failure of the chunk
+        raise
     except Exception as exc:
         end_attempt(ctx, chunk, attempt, "failed", error=repr(exc))
         raise
@@ -237,7 +253,7 @@ def _generate_all(
     ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int, skipped: int
 ) -> ChunkOutcome:
     spec = ctx.spec(chunk.job)
-
+    deadline = time.monotonic() + GIVE_BACK_AFTER_S
     futures: dict[Future[GenerateResult], ChunkPrompt] = {}
     for prompt in todo:
         request = GenerateRequest(
@@ -245,7 +261,7 @@ def _generate_all(
             prompt_ids=prompt.prompt_ids,
             sampling=dict(spec.sampling),
         )
-        futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request))] = prompt
+        futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request, deadline))] = prompt
     ctx.count_inflight(len(futures))
     generated = rejected = 0
     try:

@@ -67,8 +67,14 @@ class Engine(Protocol):
 
     name: str
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Complete one prompt. Raises EngineUnavailable or PromptRejected."""
+    async def generate(
+        self, request: GenerateRequest, *, deadline: float | None = None
+    ) -> GenerateResult:
+        """Complete one prompt. Raises EngineUnavailable or PromptRejected.
+
+        `deadline` (a time.monotonic() value) bounds how long the engine may wait for a
+        server to become available; generation already running is not cut short.
+        """
         ...
 
     async def health(self) -> bool:

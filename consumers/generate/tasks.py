@@ -12,7 +12,7 @@ from celery.exceptions import Reject
 from common import dlq
 from common.celery_app import GENERATE_TASK
 from common.chunk import Chunk
-from consumers.generate.chunk_runner import ChunkContext, run_chunk
+from consumers.generate.chunk_runner import ChunkContext, ChunkDeferred, run_chunk
 
 log = logging.getLogger("regen.generate")
 
@@ -45,6 +45,9 @@ def register(app: Celery, ctx: ChunkContext) -> None:
             return {"generated": 0, "skipped": 0, "dead_lettered": 1}
         try:
             outcome = run_chunk(ctx, chunk)
+        except ChunkDeferred as exc:
+            log.warning("chunk %s: engine unavailable for too long; giving it back", chunk.chunk_id)
+            raise Reject(exc, requeue=True) from exc
         except Exception as exc:
             # Give the chunk back rather than let Celery ack a failure (acks_late acks
             # failed tasks); run_chunk's attempt cap turns a chunk that always fails into
