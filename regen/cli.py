@@ -8,6 +8,7 @@ import os
 import click
 
 from regen import cli_enqueue, cli_redis, cli_shards, cli_worker
+from regen.options import redis_url_option
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -27,11 +28,63 @@ def main(verbose: int) -> None:
 
 
 @main.command()
-def demo() -> None:
-    """Run the whole pipeline on embedded defaults (not yet available)."""
-    raise click.ClickException(
-        "not yet: the demo lands with the generate and tokenize stages "
-        "(see README); `regen enqueue` works today"
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "sglang"]),
+    default="local",
+    show_default=True,
+    help="local: SmolLM2 on this machine; sglang: --server.",
+)
+@click.option("--server", "servers", multiple=True, help="SGLang server URL (--engine sglang).")
+@click.option(
+    "--model",
+    default="smollm2",
+    show_default=True,
+    help="The model (its tokenizer renders the prompts).",
+)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--thinking/--no-thinking", default=None)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=192, show_default=True)
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Default: the bundled sample of varied prompts.",
+)
+@click.option(
+    "--out", "out_dir", default="regen-out", show_default=True, type=click.Path(file_okay=False)
+)
+@redis_url_option
+def demo(
+    engine: str,
+    servers: tuple[str, ...],
+    model: str,
+    trust_remote_code: bool,
+    thinking: bool | None,
+    max_new_tokens: int,
+    dataset: str | None,
+    out_dir: str,
+    redis_url: str | None,
+) -> None:
+    """Run the whole pipeline end to end on embedded defaults, then show a record."""
+    from pathlib import Path
+
+    from regen.demo import DemoOptions, run_demo
+
+    if engine == "sglang" and not servers:
+        raise click.UsageError("--engine sglang needs --server URL")
+    run_demo(
+        DemoOptions(
+            engine=engine,
+            servers=list(servers),
+            model=model,
+            trust_remote_code=trust_remote_code,
+            thinking=thinking,
+            max_new_tokens=max_new_tokens,
+            dataset=Path(dataset) if dataset else None,
+            out_dir=Path(out_dir),
+            redis_url=redis_url,
+        )
     )
 
 

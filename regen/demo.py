@@ -1,0 +1,240 @@
+"""`regen demo`: the whole pipeline on one machine, with embedded defaults.
+
+The embedded Redis, the bundled sample prompts, SmolLM2 on the CPU through the `local`
+engine (or a real SGLang server), a generate worker and a tokenize worker as real
+processes, a live view until every prompt is accounted for, then a summary and one record
+shown decoded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from common import connection, dlq, jobspec, keys
+from common.celery_app import make_app
+from common.queues import queued_chunks
+from producer.enqueue import Enqueuer
+from producer.progress import ProgressDisplay, summary
+from producer.spec import JobOptions, prepare_job
+from regen.demo_report import show_record, show_summary
+
+# A live view is redrawn this often; workers are checked for life as often.
+POLL_S = 1.0
+
+
+@dataclass
+class DemoOptions:
+    engine: str = "local"
+    servers: list[str] = field(default_factory=list)
+    model: str = "smollm2"
+    trust_remote_code: bool = False
+    thinking: bool | None = None
+    max_new_tokens: int = 192
+    dataset: Path | None = None
+    out_dir: Path = Path("regen-out")
+    redis_url: str | None = None
+    timeout_s: float = 1800.0
+
+
+def sample_dataset() -> Path:
+    """The bundled prompts: single and multi-turn, several row shapes, one duplicate and
+    one bad row (so the demo shows dedupe and the input DLQ too)."""
+    return Path(str(files("regen") / "data" / "demo_prompts.jsonl"))
+
+
+class Workers:
+    """The demo's worker processes, logging to files, stopped warm at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str]) -> None:
+        log = open(self._log_dir / f"{name}.log", "wb")  # noqa: SIM115 (owned by the process)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "regen", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self._log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the {name} worker exited ({proc.returncode}):\n{tail}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@dataclass
+class Progress:
+    total: int = 0
+    waiting_chunks: int = 0
+    generated: int = 0
+    committed: int = 0
+    dead: int = 0
+    tokens_per_s: float = 0.0
+
+    @property
+    def accounted(self) -> bool:
+        return self.total > 0 and self.committed + self.dead >= self.total
+
+
+def read_progress(r: redis.Redis, spec: jobspec.JobSpec) -> Progress:
+    job = spec.name
+    pending = sum(len(p.ids) for p in _pending(r, job))
+    dead = sum(
+        1
+        for stage in keys.STAGES
+        for letter in dlq.entries(r, job, stage)
+        if letter.prompt_id is not None
+    )
+    rates = [
+        beat.get("tokens_per_s", 0.0) for beat in _heartbeats(r) if beat.get("kind") == "generate"
+    ]
+    return Progress(
+        total=int(r.scard(keys.job_ids(job))),
+        waiting_chunks=queued_chunks(r, spec.queue),
+        generated=int(r.xlen(keys.results_stream(job))),
+        committed=int(r.hlen(keys.committed(job))) - pending,
+        dead=dead,
+        tokens_per_s=sum(rates),
+    )
+
+
+def _pending(r: redis.Redis, job: str) -> list[Any]:
+    from consumers.tokenize.commit import CommitLedger
+
+    return list(CommitLedger(r, job).pending().values())
+
+
+def _heartbeats(r: redis.Redis) -> list[dict[str, Any]]:
+    import orjson
+
+    return [orjson.loads(raw) for raw in r.hvals(keys.WORKERS)]
+
+
+def _table(job: str, progress: Progress, elapsed: float) -> Table:
+    table = Table(title=f"regen demo: job {job} ({elapsed:.0f} s)")
+    for column in (
+        "prompts",
+        "chunks waiting",
+        "results not yet in shards",
+        "in shards",
+        "dead-lettered",
+        "output tok/s",
+    ):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(progress.total),
+        str(progress.waiting_chunks),
+        str(progress.generated),
+        str(progress.committed),
+        str(progress.dead),
+        f"{progress.tokens_per_s:.0f}",
+    )
+    return table
+
+
+def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
+    """Run the pipeline to the end; returns the job's shard folder."""
+    console = console or Console()
+    url = connection.resolve_url(options.redis_url)
+    r = connection.client(url)
+    job = time.strftime("demo-%Y%m%d-%H%M%S")
+    dataset = options.dataset or sample_dataset()
+    console.print(
+        f"[bold]regen demo[/]: job {job}, model {options.model}, engine "
+        f"{options.engine}, Redis {connection.redact(url)}"
+    )
+
+    prepared = prepare_job(
+        JobOptions(
+            job=job,
+            model=options.model,
+            trust_remote_code=options.trust_remote_code,
+            thinking=options.thinking,
+            max_new_tokens=options.max_new_tokens,
+            chunk_size=8,
+        )
+    )
+    spec = jobspec.save(r, prepared.spec)
+    with ProgressDisplay() as show:
+        stats = Enqueuer(r, make_app(url), prepared, high_water=64, on_progress=show).run([dataset])
+    console.print(summary(stats, job))
+
+    workers = Workers(options.out_dir / "logs" / job)
+    common_args = ["--redis-url", url, "--jobs", job]
+    engine_args = ["--engine", options.engine]
+    if options.engine == "local":
+        engine_args += ["--model", options.model, "--max-inflight", "8"]
+    for server in options.servers:
+        engine_args += ["--server", server]
+    started = time.monotonic()
+    try:
+        workers.start("generate", ["worker", "generate", *engine_args, *common_args])
+        workers.start(
+            "tokenize",
+            [
+                "worker",
+                "tokenize",
+                "--out",
+                str(options.out_dir),
+                "--idle-commit",
+                "2",
+                "--min-free-mb",
+                "64",
+                *common_args,
+            ],
+        )
+        _watch(r, spec, workers, console, started, options.timeout_s)
+    finally:
+        workers.stop()
+    elapsed = time.monotonic() - started
+    folder = options.out_dir / job
+    show_summary(console, r, spec, folder, elapsed)
+    show_record(console, folder, prepared.tokenizer)
+    return folder
+
+
+def _watch(
+    r: redis.Redis,
+    spec: jobspec.JobSpec,
+    workers: Workers,
+    console: Console,
+    started: float,
+    timeout_s: float,
+) -> None:
+    with Live(console=console, auto_refresh=False) as live:
+        while True:
+            workers.check()
+            progress = read_progress(r, spec)
+            live.update(_table(spec.name, progress, time.monotonic() - started), refresh=True)
+            if progress.accounted and progress.generated == 0:
+                return
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"the demo did not finish within {timeout_s:.0f} s")
+            time.sleep(POLL_S)

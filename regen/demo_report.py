@@ -1,0 +1,71 @@
+"""What the demo prints at the end: the run's numbers and one record, decoded."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from common import dlq, jobspec, keys
+from consumers.tokenize.shard_writer import iter_records, read_manifest
+
+# Tokens of the prompt's tail and of the answer shown around the loss-mask boundary.
+CONTEXT_TOKENS = 12
+
+
+def show_summary(
+    console: Console, r: redis.Redis, spec: jobspec.JobSpec, folder: Path, elapsed_s: float
+) -> None:
+    manifest = read_manifest(folder)
+    completion = sum(info.completion_tokens for info in manifest.values())
+    prompt = sum(info.prompt_tokens for info in manifest.values())
+    records = sum(info.rows for info in manifest.values())
+    table = Table(title="summary", show_header=False)
+    table.add_row("prompts in the job", str(r.scard(keys.job_ids(spec.name))))
+    table.add_row("records in shards", str(records))
+    table.add_row("prompt / output tokens", f"{prompt} / {completion}")
+    table.add_row("output tokens/s (wall clock)", f"{completion / max(elapsed_s, 1e-9):.1f}")
+    table.add_row(
+        "shards",
+        f"{len(manifest)} in {folder} ({sum(i.compressed_bytes for i in manifest.values())} bytes)",
+    )
+    for stage in keys.STAGES:
+        reasons = Counter(letter.reason for letter in dlq.entries(r, spec.name, stage))
+        if reasons:
+            table.add_row(f"DLQ {stage}", ", ".join(f"{k}: {v}" for k, v in reasons.items()))
+    console.print(table)
+
+
+def show_record(console: Console, folder: Path, tokenizer: Any) -> None:
+    """The first record: its conversation, and where the loss mask turns on."""
+    record = next(
+        (rec for shard in sorted(folder.glob("shard-*.jsonl.zst")) for rec in iter_records(shard)),
+        None,
+    )
+    if record is None:
+        console.print("[red]no record was written[/]")
+        return
+    ids, mask = record["input_ids"], record["loss_mask"]
+    boundary = mask.index(1) if 1 in mask else len(mask)
+    console.rule(f"record {record['id']} (schema {record['schema']})")
+    for message in record["messages"]:
+        console.print(Text(f"{message['role']}: ", style="bold"), Text(message["content"]))
+    console.print(
+        f"input_ids: {len(ids)} tokens = {record['prompt_tokens']} prompt (loss_mask 0) + "
+        f"{record['completion_tokens']} generated (loss_mask 1, end of turn included)"
+    )
+    window = range(max(boundary - CONTEXT_TOKENS, 0), min(boundary + CONTEXT_TOKENS, len(ids)))
+    line = Text()
+    for i in window:
+        piece = tokenizer.decode([ids[i]]).replace("\n", "\\n")
+        line.append(f"{piece}", style="on grey23" if mask[i] == 0 else "on dark_green")
+        line.append("|")
+    console.print("tokens around the boundary (grey: mask 0, green: mask 1):")
+    console.print(line)
+    last = tokenizer.decode([ids[-1]])
+    console.print(f"last token: {last!r} (id {ids[-1]}), loss_mask {mask[-1]}")
