@@ -49,6 +49,9 @@ MAX_CHUNK_ATTEMPTS = 3
 # --- generation --------------------------------------------------------------------
 # Requests kept in flight per SGLang server; peers use 64 to 512.
 MAX_INFLIGHT_PER_SERVER = 256
+# Batch size of the local transformers engine: its KV cache lives in this process (a
+# batch of 256 x 4K tokens would need ~50 GB on CPU even for SmolLM2).
+LOCAL_BATCH_SIZE = 16
 # Per-request timeout: long, because a 32K-token thinking answer can take many minutes.
 REQUEST_TIMEOUT_S = 3600.0
 

@@ -34,7 +34,7 @@ SAMPLING_KEYS = frozenset(
         "repetition_penalty",
         "frequency_penalty",
         "presence_penalty",
-        "seed",
+        "sampling_seed",
     }
 )
 

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from regen import cli_enqueue, cli_redis, cli_shards, cli_worker
+from regen import cli_enqueue, cli_plan, cli_redis, cli_shards, cli_worker
 from regen.options import redis_url_option
 
 
@@ -92,3 +92,5 @@ main.add_command(cli_redis.redis_group)
 main.add_command(cli_enqueue.enqueue)
 main.add_command(cli_worker.worker_group)
 main.add_command(cli_shards.shards_group)
+main.add_command(cli_plan.plan)
+main.add_command(cli_plan.preflight)

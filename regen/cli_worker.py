@@ -6,11 +6,21 @@ import click
 
 from common import defaults
 from consumers.generate.engines import BUILTIN, EngineOptions
-from regen.options import redis_url_option
+from regen.options import F, redis_url_option
 
 
 def _csv(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
     return [item for raw in value for item in raw.split(",") if item]
+
+
+def metrics_port_option(func: F) -> F:
+    return click.option(
+        "--metrics-port",
+        type=click.IntRange(1, 65535),
+        default=None,
+        envvar="REGEN_METRICS_PORT",
+        help="Serve Prometheus metrics at :PORT/metrics (env REGEN_METRICS_PORT; default off).",
+    )(func)
 
 
 @click.group("worker")
@@ -83,12 +93,13 @@ def worker_group() -> None:
 )
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--loglevel", default="INFO", show_default=True)
+@metrics_port_option
 @redis_url_option
 def generate(
     engine: str,
     servers: list[str],
     model: str | None,
-    max_inflight: int,
+    max_inflight: int | None,
     request_timeout: float,
     jobs: list[str],
     queues: list[str],
@@ -98,6 +109,7 @@ def generate(
     tp_size: int,
     trust_remote_code: bool,
     loglevel: str,
+    metrics_port: int | None,
     redis_url: str | None,
 ) -> None:
     """Generate completions for queued chunks with ENGINE (one worker per GPU host)."""
@@ -123,6 +135,7 @@ def generate(
                 concurrency=concurrency,
                 max_attempts=max_attempts,
                 loglevel=loglevel,
+                metrics_port=metrics_port,
             )
         )
     except ValueError as exc:
@@ -196,6 +209,7 @@ def generate(
     show_default=True,
     help="Take over results another consumer held this many seconds.",
 )
+@metrics_port_option
 @redis_url_option
 def tokenize(
     out_dir: str,
@@ -208,11 +222,13 @@ def tokenize(
     drift_check: bool,
     min_free_mb: int,
     claim_idle: float,
+    metrics_port: int | None,
     redis_url: str | None,
 ) -> None:
     """Write token-exact records of generated results into OUT/JOB/shard-*.jsonl.zst."""
     from pathlib import Path
 
+    from common.metrics import MetricsPortError
     from consumers.tokenize.consumer import TokenizeOptions
     from consumers.tokenize.job_writer import ShardPolicy
     from consumers.tokenize.worker import run_worker as run_tokenize
@@ -223,15 +239,16 @@ def tokenize(
         max_age_s=max_shard_age,
         idle_s=idle_commit,
     )
-    run_tokenize(
-        redis_url,
-        TokenizeOptions(
-            out_dir=Path(out_dir),
-            jobs=jobs,
-            policy=policy,
-            on_truncated=on_truncated,
-            drift_check=drift_check,
-            min_free_bytes=min_free_mb * 1024 * 1024,
-            claim_idle_s=claim_idle,
-        ),
+    options = TokenizeOptions(
+        out_dir=Path(out_dir),
+        jobs=jobs,
+        policy=policy,
+        on_truncated=on_truncated,
+        drift_check=drift_check,
+        min_free_bytes=min_free_mb * 1024 * 1024,
+        claim_idle_s=claim_idle,
     )
+    try:
+        run_tokenize(redis_url, options, metrics_port=metrics_port)
+    except MetricsPortError as exc:
+        raise click.ClickException(str(exc)) from exc

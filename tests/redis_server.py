@@ -42,6 +42,8 @@ class RedisServer:
             try:
                 client.ping()
                 return self
+            except redis.AuthenticationError:
+                return self  # up, and asking for the password it was started with
             except redis.ConnectionError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("test redis-server did not start") from None

@@ -21,7 +21,9 @@ class EngineOptions:
     servers: list[str] = field(default_factory=list)
     # Model for in-process engines ("local", "sglang-engine"); default: the job's model.
     model: str | None = None
-    max_inflight: int = defaults.MAX_INFLIGHT_PER_SERVER
+    # Requests in flight per server (sglang), or the batch size (local); None: the
+    # engine's default.
+    max_inflight: int | None = None
     request_timeout_s: float = defaults.REQUEST_TIMEOUT_S
     trust_remote_code: bool = False
     device: str = "auto"
@@ -36,7 +38,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
 
         return SGLangHTTPEngine(
             options.servers,
-            max_inflight_per_server=options.max_inflight,
+            max_inflight_per_server=options.max_inflight or defaults.MAX_INFLIGHT_PER_SERVER,
             request_timeout_s=options.request_timeout_s,
         )
     if name == "local":
@@ -47,7 +49,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
         return LocalEngine(
             options.model,
             device=options.device,
-            max_batch_size=options.max_inflight,
+            max_batch_size=options.max_inflight or defaults.LOCAL_BATCH_SIZE,
             trust_remote_code=options.trust_remote_code,
         )
     if name == "sglang-engine":

@@ -1,0 +1,580 @@
+"""The Engine on transformers, in this process, on CPU or GPU: the demo's and the tests' engine.
+
+Requests that arrive together are gathered into batches and run with `model.generate` in
+one worker thread (torch is not asyncio friendly); each caller awaits its own future.
+Results keep SGLang's contract (DESIGN.md "SGLang facts"):
+
+- `prompt_ids` are used exactly as given; nothing is re-tokenized.
+- `output_ids` include the stop token that ended generation, finish_reason is
+  `{"type": "stop", "matched": id}`, and `text` is their decode without that token.
+  Stop tokens: the tokenizer's and the model's eos ids plus `stop_token_ids`; none with
+  `ignore_eos`. As in SGLang the length limit is checked first, so a stop token drawn as
+  the `max_new_tokens`-th token reports `{"type": "length"}`.
+- Unset temperature/top_p/top_k/min_p/repetition_penalty come from the model's
+  generation_config, else SGLang's defaults; `max_new_tokens` defaults to 128.
+- Sampling draws each row from its own generator, seeded with `seed` (SGLang calls it
+  `sampling_seed`) or with a random seed reported in `meta["seed"]`. The same prompt,
+  sampling and seed on the same device and dtype give the same ids whatever else shares
+  the batch, unless batched-matmul rounding flips a near tie.
+- SGLang parameters this engine cannot honour (stop strings, frequency/presence
+  penalties, grammars, n > 1, ...) reject the prompt unless left at their neutral value.
+
+Loading a GGUF de-quantizes it (~15 s for SmolLM2), so the de-quantized weights are
+cached as safetensors under `$REGEN_HOME/cache/models`, kept only after a reload proved
+them bit-identical. A model loads once per process: engines with the same settings share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from common import defaults
+from common.tokenizer import ModelRef, load_tokenizer, resolve_model
+from consumers.generate.engine import (
+    EngineUnavailable,
+    GenerateRequest,
+    GenerateResult,
+    PromptRejected,
+)
+
+log = logging.getLogger(__name__)
+
+SGLANG_MAX_NEW_TOKENS = 128
+# SGLang's values for what neither the request nor the model's generation_config sets.
+_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+}  # fmt: skip
+_HONOURED = {"max_new_tokens", "stop_token_ids", "ignore_eos", "seed", "sampling_seed",
+             "skip_special_tokens", "no_stop_trim", *_DEFAULTS}  # fmt: skip
+# SGLang parameters accepted only at their neutral value: anything else would be ignored.
+_NEUTRAL: dict[str, Any] = {
+    "stop": None, "stop_regex": None, "frequency_penalty": 0, "presence_penalty": 0,
+    "min_new_tokens": 0, "n": 1, "regex": None, "json_schema": None, "ebnf": None,
+    "logit_bias": None, "spaces_between_special_tokens": True,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Key:
+    """What a batch shares: every sampling setting but max_new_tokens and the seed."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    stop_ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class _Job:
+    request: GenerateRequest
+    future: asyncio.Future[GenerateResult]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float
+    key: _Key | None = None
+    max_new: int = 0
+    seed: int | None = None
+    skip_special: bool = True
+    trim_stop: bool = True
+    started: bool = False
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    model: Any
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    defaults: dict[str, float]
+    context_len: int | None
+    vocab_size: int
+
+
+class LocalEngine:
+    """Generate with a transformers model in this process (see the module docstring).
+
+    `model`: `smollm2`, a `.gguf` file or a Hugging Face model folder (local files only).
+    `device`: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ...
+    `dtype`: "auto" (float32 on cpu, bfloat16 on gpu), a torch dtype or its name.
+    `threads`: torch's intra-op threads, process-wide; default torch's (physical cores).
+    `cache_dir`: where de-quantized GGUF weights are kept, default `$REGEN_HOME/cache/models`;
+    `cache=False` loads the GGUF every time. (The tokenizer is `common.tokenizer`'s.)
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "auto",
+        max_batch_size: int = 16,
+        dtype: str | torch.dtype = "auto",
+        batch_wait_s: float = 0.01,
+        trust_remote_code: bool = False,
+        threads: int | None = None,
+        cache: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if max_batch_size < 1 or batch_wait_s < 0:
+            raise ValueError("max_batch_size must be >= 1 and batch_wait_s >= 0")
+        self.model, self.max_batch_size, self.batch_wait_s = model, max_batch_size, batch_wait_s
+        self.ref = resolve_model(model)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if dtype == "auto":
+            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if threads:
+            torch.set_num_threads(threads)
+        home = Path(os.environ.get("REGEN_HOME", defaults.HOME))
+        weights_cache = Path(cache_dir or home / "cache" / "models") if cache else None
+        self._load_args = (self.ref, str(self.device), self.dtype, trust_remote_code, weights_cache)
+        self._loaded: _Loaded | None = None
+        self._load_error: Exception | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._backlog: list[_Job] = []  # admitted, waiting for a batch; worker thread only
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._abort = threading.Event()
+        self._counters = {"batches": 0, "requests": 0, "rejected": 0, "tokens_generated": 0}
+        self._busy_s = 0.0
+        self._running = 0
+        self._thread = threading.Thread(target=self._serve, name="regen-local-engine", daemon=True)
+        self._thread.start()
+
+    # --- the Engine interface (event-loop side) -----------------------------------------
+
+    async def generate(
+        self, request: GenerateRequest, *, deadline: float | None = None
+    ) -> GenerateResult:
+        """`deadline` (time.monotonic()) bounds the wait for the model to load and for a
+        batch to take the prompt; generation that started is not cut short."""
+        loop = asyncio.get_running_loop()
+        job = _Job(request, loop.create_future(), loop, time.monotonic())
+        # Under the lock, no job can land behind close()'s sentinel and wait forever.
+        with self._close_lock:
+            if self._closed:
+                raise EngineUnavailable("the local engine is closed")
+            self._queue.put(job)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), remaining)
+        except asyncio.TimeoutError:
+            if not job.started:
+                raise EngineUnavailable(
+                    "the local engine did not start the prompt in time"
+                ) from None
+            return await job.future
+        finally:
+            job.future.cancel()  # a no-op once settled; otherwise the worker drops the job
+
+    async def health(self) -> bool:
+        return self._loaded is not None and not self._closed and self._thread.is_alive()
+
+    def capacity(self) -> int:
+        return 2 * self.max_batch_size  # the next batch is queued when one finishes
+
+    def stats(self) -> dict[str, Any]:
+        busy, tokens = self._busy_s, self._counters["tokens_generated"]
+        return {
+            "engine": self.name, "model": self.model, "device": str(self.device),
+            "loaded": self._loaded is not None, "closed": self._closed,
+            "error": None if self._load_error is None else str(self._load_error),
+            "queued": self._queue.qsize() + len(self._backlog), "running": self._running,
+            **self._counters, "busy_s": round(busy, 3),
+            "tokens_per_s": round(tokens / busy, 1) if busy else 0.0,
+        }  # fmt: skip
+
+    async def close(self) -> None:
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._abort.set()  # ends a running batch early; its callers get EngineUnavailable
+                self._queue.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    # --- the worker thread: gather, batch, run --------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            self._loaded = _shared_model(*self._load_args)
+        except Exception as exc:  # kept: every request is answered with it
+            log.exception("loading %s failed", self.model)
+            self._load_error = exc
+        while self._gather():
+            batch = self._take_batch()
+            if not batch:  # every waiting caller gave up
+                continue
+            self._backlog = [job for job in self._backlog if job not in batch]
+            try:
+                self._run_batch(batch)
+            except Exception as exc:  # e.g. out of memory: the engine's trouble, not the prompt's
+                log.exception("local generation failed for a batch of %d", len(batch))
+                for job in batch:
+                    _settle(job, EngineUnavailable(f"local generation failed: {exc!r}"))
+        for job in self._backlog:
+            _settle(job, EngineUnavailable("the local engine is closed"))
+
+    def _gather(self) -> bool:
+        """Move queued jobs to the backlog: block for a first one, then let others join it
+        for up to batch_wait_s. False once close() was called."""
+        deadline = time.monotonic() if self._backlog else None
+        while True:
+            if deadline is None:
+                timeout = None
+            elif self._batch_full():
+                timeout = 0.0
+            else:
+                timeout = max(0.0, deadline - time.monotonic())
+            try:
+                job = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            if self._admit(job):
+                self._backlog.append(job)
+                deadline = deadline or time.monotonic() + self.batch_wait_s
+
+    def _batch_full(self) -> bool:
+        key = self._backlog[0].key
+        return sum(job.key == key for job in self._backlog) >= self.max_batch_size
+
+    def _take_batch(self) -> list[_Job]:
+        """The oldest job, plus younger ones with the same sampling that fit beside it."""
+        assert self._loaded is not None
+        self._backlog = [job for job in self._backlog if not job.future.cancelled()]
+        ctx, batch, width, longest = self._loaded.context_len, [], 0, 0
+        for job in self._backlog:
+            w, n = max(width, len(job.request.prompt_ids)), max(longest, job.max_new)
+            # Every row runs (unused) until the longest is done: all must stay in context.
+            if job.key == self._backlog[0].key and (ctx is None or w + n <= ctx):
+                batch.append(job)
+                width, longest = w, n
+                if len(batch) == self.max_batch_size:
+                    break
+        return batch
+
+    def _admit(self, job: _Job) -> bool:
+        """Validate a job; settle it at once when it needs no model run."""
+        if job.future.cancelled():
+            return False
+        if self._load_error is not None:
+            _settle(job, EngineUnavailable(f"the local model failed to load: {self._load_error}"))
+            return False
+        try:
+            self._parse(job)
+        except PromptRejected as exc:
+            self._counters["rejected"] += 1
+            _settle(job, exc)
+            return False
+        if job.max_new == 0:  # SGLang answers an empty completion
+            self._finish(job, [], batch_size=0)
+            return False
+        return True
+
+    def _parse(self, job: _Job) -> None:
+        """Check a request like SGLang's SamplingParams.verify (same messages) and set up job."""
+        assert self._loaded is not None
+        m, s, prompt = self._loaded, job.request.sampling, job.request.prompt_ids
+        unknown = sorted(set(s) - _HONOURED - set(_NEUTRAL))
+        empty: tuple[Any, ...] = (None, "", [], {})
+        unsupported = sorted(k for k, v in _NEUTRAL.items() if s.get(k) not in (v, *empty))
+        if unknown or unsupported:
+            what = f"unknown {unknown}" if unknown else f"unsupported {unsupported}"
+            raise PromptRejected(f"sampling parameters: {what} (local engine)")
+
+        def get(name: str) -> Any:
+            value = s.get(name)
+            return m.defaults.get(name, _DEFAULTS[name]) if value is None else value
+
+        try:
+            max_new = s.get("max_new_tokens")
+            job.max_new = SGLANG_MAX_NEW_TOKENS if max_new is None else int(max_new)
+            temperature, top_p, min_p = (float(get(k)) for k in ("temperature", "top_p", "min_p"))
+            top_k, penalty = int(get("top_k")), float(get("repetition_penalty"))
+            stops = {int(t) for t in s.get("stop_token_ids") or ()}
+            seeds = [int(s[k]) for k in ("seed", "sampling_seed") if s.get(k) is not None]
+        except (TypeError, ValueError) as exc:
+            raise PromptRejected(f"invalid sampling parameters: {exc}") from exc
+        problems = [msg for bad, msg in (
+            (job.max_new < 0, f"max_new_tokens must be at least 0, got {job.max_new}."),
+            (not temperature >= 0, f"temperature must be non-negative, got {temperature}."),
+            (not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}."),
+            (not 0 <= min_p <= 1, f"min_p must be in [0, 1], got {min_p}."),
+            (top_k < 1 and top_k != -1, f"top_k must be -1 (disable) or at least 1, got {top_k}."),
+            (not 0 < penalty <= 2, f"repetition_penalty must be in (0, 2], got {penalty}."),
+            (not prompt, "the prompt is empty."),
+            (bool(prompt) and not 0 <= min(prompt) <= max(prompt) < m.vocab_size,
+             f"prompt token ids must be in [0, {m.vocab_size})."),
+        ) if bad]  # fmt: skip
+        if problems:
+            raise PromptRejected(" ".join(problems))
+        ctx, n = m.context_len, len(prompt)
+        if ctx is not None and n >= ctx:
+            raise PromptRejected(
+                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        if ctx is not None and n + job.max_new > ctx:
+            raise PromptRejected(
+                f"Requested token count exceeds the model's maximum context length of {ctx} "
+                f"tokens. You requested a total of {n + job.max_new} tokens: {n} tokens from "
+                f"the input messages and {job.max_new} tokens for the completion. Please "
+                "reduce the number of tokens in the input messages or the completion to fit "
+                "within the limit."
+            )
+        stop_ids = () if s.get("ignore_eos") else tuple(sorted(m.eos_ids | stops))
+        if temperature < 1e-6:  # greedy (SGLang: top_k=1), so the other knobs are moot
+            job.key = _Key(0.0, 1.0, -1, 0.0, penalty, stop_ids)
+        else:
+            job.key = _Key(temperature, top_p, top_k, min_p, penalty, stop_ids)
+            job.seed = seeds[0] if seeds else random.getrandbits(63)
+        job.skip_special = s.get("skip_special_tokens") is not False
+        job.trim_stop = not s.get("no_stop_trim")
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        assert self._loaded is not None and jobs[0].key is not None
+        key, dev = jobs[0].key, self.device
+        prompts = [job.request.prompt_ids for job in jobs]
+        width = max(map(len, prompts))
+        # Left padding puts every row's last prompt token in the last column. Pad columns
+        # are masked (positions come from the mask), so their ids only matter to the
+        # repetition penalty: repeating the row's first token keeps them out of it.
+        ids = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        limits = torch.tensor([job.max_new for job in jobs], device=dev)
+        stop_ids = torch.tensor(key.stop_ids, dtype=torch.long, device=dev)
+        started, self._running = time.monotonic(), len(jobs)
+        for job in jobs:
+            job.started = True
+        try:
+            with torch.inference_mode():
+                out = self._loaded.model.generate(
+                    input_ids=ids, attention_mask=mask,
+                    generation_config=GenerationConfig(max_new_tokens=max(j.max_new for j in jobs),
+                                                       do_sample=False),
+                    logits_processor=_processors(key, jobs, dev),
+                    stopping_criteria=StoppingCriteriaList(
+                        [_RowStop(stop_ids, limits, width, self._abort)]),
+                )  # fmt: skip
+        finally:
+            self._running = 0
+            self._busy_s += time.monotonic() - started
+        if self._abort.is_set():  # close() cut the batch short: these rows are unfinished
+            raise EngineUnavailable("the local engine is closed")
+        self._counters["batches"] += 1
+        for job, row in zip(jobs, out[:, width:].tolist(), strict=True):
+            self._finish(job, row, batch_size=len(jobs))
+
+    def _finish(self, job: _Job, row: list[int], *, batch_size: int) -> None:
+        assert self._loaded is not None and job.key is not None
+        # A row that ended goes on (unused) while others in its batch still run: cut it at
+        # its first stop token, where SGLang would have ended it.
+        stops = set(job.key.stop_ids)
+        cut = next((i for i, t in enumerate(row[: job.max_new - 1]) if t in stops), None)
+        if cut is None:
+            output, reason = row[: job.max_new], {"type": "length", "length": job.max_new}
+        else:
+            output, reason = row[: cut + 1], {"type": "stop", "matched": row[cut]}
+        shown = output[:-1] if cut is not None and job.trim_stop else output
+        text = self._loaded.tokenizer.decode(shown, skip_special_tokens=job.skip_special)
+        meta = {"batch_size": batch_size} | ({} if job.seed is None else {"seed": job.seed})
+        self._counters["requests"] += 1
+        self._counters["tokens_generated"] += len(output)
+        _settle(job, GenerateResult(
+            output_ids=output, text=text, finish_reason=reason,
+            prompt_tokens=len(job.request.prompt_ids), completion_tokens=len(output),
+            latency_s=time.monotonic() - job.enqueued, server=f"local:{self.device}", meta=meta,
+        ))  # fmt: skip
+
+
+def _settle(job: _Job, outcome: GenerateResult | Exception) -> None:
+    """Hand an outcome to the awaiting coroutine, on its own event loop."""
+
+    def apply() -> None:
+        if job.future.done():  # the caller gave up (cancelled)
+            return
+        if isinstance(outcome, Exception):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+        job.loop.call_soon_threadsafe(apply)
+
+
+# --- sampling and stopping inside model.generate ------------------------------------------
+
+
+def _processors(key: _Key, jobs: list[_Job], device: torch.device) -> LogitsProcessorList:
+    # Passed in explicitly: with do_sample=False (the draw is _RowSampler's, generate()
+    # only takes the argmax) generate() would add no warpers of its own.
+    procs = LogitsProcessorList()
+    if key.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(key.repetition_penalty))
+    if key.temperature == 0.0:
+        return procs
+    procs.append(TemperatureLogitsWarper(key.temperature))
+    if key.top_k > 0:
+        procs.append(TopKLogitsWarper(key.top_k))
+    if key.top_p < 1.0:
+        procs.append(TopPLogitsWarper(key.top_p))
+    if key.min_p > 0.0:
+        procs.append(MinPLogitsWarper(key.min_p))
+    procs.append(_RowSampler([job.seed or 0 for job in jobs], device))
+    return procs
+
+
+class _RowSampler(LogitsProcessor):
+    """Samples every row with its own seeded generator; generate() then takes the argmax.
+
+    argmax(logits - log E) with E ~ Exp(1) is an exact draw from softmax(logits) (the
+    exponential race SGLang and vLLM sample with); tokens filtered to -inf stay out.
+    """
+
+    def __init__(self, seeds: list[int], device: torch.device) -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        vocab = scores.shape[-1]
+        noise = torch.stack(
+            [scores.new_empty(vocab).exponential_(generator=g) for g in self.generators]
+        )
+        return scores - noise.log()
+
+
+class _RowStop(StoppingCriteria):
+    """Ends each row at a stop token or at its own max_new_tokens; every row on close."""
+
+    def __init__(
+        self, stop_ids: torch.Tensor, limits: torch.Tensor, width: int, abort: threading.Event
+    ) -> None:
+        self.stop_ids, self.limits, self.width, self.abort = stop_ids, limits, width, abort
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        if self.abort.is_set():
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        done = (input_ids.shape[1] - self.width) >= self.limits
+        return done | torch.isin(input_ids[:, -1], self.stop_ids)
+
+
+# --- loading, once per process --------------------------------------------------------------
+
+_MODELS: dict[tuple[Any, ...], _Loaded] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def _shared_model(
+    ref: ModelRef, device: str, dtype: torch.dtype, trust_remote_code: bool,
+    weights_cache: Path | None,
+) -> _Loaded:  # fmt: skip
+    key = (ref.path, device, dtype, trust_remote_code)
+    # Held while loading, so a second engine waits for the first load instead of repeating it.
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            tokenizer = load_tokenizer(ref.spec, trust_remote_code=trust_remote_code)
+            _MODELS[key] = _load(ref, tokenizer, device, dtype, trust_remote_code, weights_cache)
+        return _MODELS[key]
+
+
+def _load(
+    ref: ModelRef, tokenizer: Any, device: str, dtype: torch.dtype, trust_remote_code: bool,
+    weights_cache: Path | None,
+) -> _Loaded:  # fmt: skip
+    started = time.monotonic()
+    source, gguf_file = str(ref.folder), ref.gguf_file
+    if gguf_file and weights_cache is not None:
+        cached = _dequantized_copy(ref, weights_cache)
+        if cached is not None:
+            source, gguf_file = str(cached), None
+    model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=gguf_file, dtype=dtype, device_map=device, local_files_only=True,
+        trust_remote_code=trust_remote_code,
+    ).eval()  # fmt: skip
+    generation, config = model.generation_config, model.config.get_text_config()
+    eos = {tokenizer.eos_token_id} - {None}
+    for ids in (generation.eos_token_id, config.eos_token_id):  # SGLang stops on all of them
+        eos.update([ids] if isinstance(ids, int) else ids or [])
+    found = {k: getattr(generation, k, None) for k in _DEFAULTS}
+    # generate() would lay generation_config over what each request asks for; its sampling
+    # defaults were just read, so leave it nothing to add.
+    model.generation_config = GenerationConfig()
+    context = next((v for k in ("max_position_embeddings", "n_positions", "seq_length")
+                    if isinstance(v := getattr(config, k, None), int)), None)  # fmt: skip
+    log.info("loaded %s on %s in %.1f s", ref.path, device, time.monotonic() - started)
+    return _Loaded(
+        model=model, tokenizer=tokenizer, eos_ids=frozenset(eos),
+        defaults={k: v for k, v in found.items() if v is not None}, context_len=context,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+    )  # fmt: skip
+
+
+def _dequantized_copy(ref: ModelRef, cache_dir: Path) -> Path | None:
+    """The GGUF's de-quantized weights as a safetensors folder, built on first use.
+
+    Keyed by file, size, mtime and transformers version (the de-quantizer is its code).
+    A new entry is reloaded and compared tensor by tensor, then renamed into place, so
+    readers never see half an entry. Failures only cost the speed-up.
+    """
+    stat = ref.path.stat()
+    raw = f"{ref.path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    entry = cache_dir / f"{ref.path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+    marker = entry / "regen-cache.json"
+    if marker.is_file():
+        return entry
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-"))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(ref.folder), gguf_file=ref.gguf_file, local_files_only=True
+            )
+            # transformers flags GGUF models as quantized and refuses to save them, yet
+            # once loaded they hold plain de-quantized tensors.
+            model.hf_quantizer = None  # type: ignore[assignment]
+            del model.config.quantization_config
+            model.save_pretrained(tmp)
+            want = model.state_dict()
+            got = AutoModelForCausalLM.from_pretrained(str(tmp), local_files_only=True).state_dict()
+            if want.keys() != got.keys() or not all(torch.equal(want[k], got[k]) for k in want):
+                log.warning("not caching %s: the saved weights differ", ref.path)
+                return None
+            (tmp / marker.name).write_text(json.dumps({"source": raw}), encoding="utf-8")
+            os.replace(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:  # e.g. a full disk, or another process renamed its copy first
+        log.warning("could not cache the weights of %s: %s", ref.path, exc)
+    return entry if marker.is_file() else None
