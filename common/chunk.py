@@ -1,13 +1,15 @@
 """The chunk: a fixed group of prompts, the unit of work on the generate queue.
 
 Its id is derived from its prompt ids, so the same prompts always form the same chunk,
-and it travels as plain JSON (Celery's json serializer; never pickle).
+and it travels as plain JSON (Celery's json serializer; never pickle). A chunk built by
+`regen dlq requeue` salts its id (so it never meets the bookkeeping of the chunk its
+prompts first came in) and may carry sampling params that override the job's.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -26,6 +28,9 @@ class Chunk:
     job: str
     chunk_id: str
     prompts: list[ChunkPrompt]
+    # SGLang sampling params merged over the job spec's for this chunk only (a requeue
+    # with `--set`); empty for chunks the producer publishes.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def make_id(job: str, prompt_ids: list[str], salt: str = "") -> str:
@@ -41,6 +46,7 @@ class Chunk:
             "job": self.job,
             "chunk": self.chunk_id,
             "prompts": [asdict(p) for p in self.prompts],
+            "sampling": self.sampling,
         }
 
     @classmethod
@@ -50,6 +56,7 @@ class Chunk:
                 job=payload["job"],
                 chunk_id=payload["chunk"],
                 prompts=[ChunkPrompt(**p) for p in payload["prompts"]],
+                sampling=dict(payload.get("sampling") or {}),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed chunk payload: {exc}") from exc

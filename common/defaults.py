@@ -56,10 +56,11 @@ LOCAL_BATCH_SIZE = 16
 REQUEST_TIMEOUT_S = 3600.0
 
 # --- heartbeats --------------------------------------------------------------------
-HEARTBEAT_INTERVAL_S = 10.0
 # A worker whose last heartbeat is older than this is reported stale (and its temporary
 # shard files may be removed): env REGEN_HEARTBEAT_STALE_S.
 HEARTBEAT_STALE_S = env_float("REGEN_HEARTBEAT_STALE_S", 60.0)
+# Beats come several times per stale period, so a live worker never looks stale.
+HEARTBEAT_INTERVAL_S = min(10.0, HEARTBEAT_STALE_S / 4)
 
 # --- shards ------------------------------------------------------------------------
 # A tokenize consumer's claim on a shard's ids lasts this long before another consumer

@@ -3,6 +3,9 @@
 Redis has no dead-lettering of its own (`Reject(requeue=False)` just deletes), so every
 stage writes here, in the same transaction that takes the item out of its queue. An entry
 holds what is needed to requeue it without re-reading the dataset.
+
+Entry ids: the prompt id, `row:<hash of file and row>` for a dataset row that gave no
+prompt, `task:<message id>` for a chunk message that could not be read.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +48,28 @@ class DeadLetter:
     def from_json(cls, raw: bytes) -> DeadLetter:
         return cls(**orjson.loads(raw))
 
+    def summary(self) -> dict[str, Any]:
+        """The entry without its payload and history (which can be large)."""
+        out = asdict(self)
+        del out["payload"], out["history"]
+        return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which entries a command acts on: jobs x stages, optionally only some reasons."""
+
+    jobs: tuple[str, ...]
+    stages: tuple[str, ...] = keys.STAGES
+    reasons: frozenset[str] = frozenset()  # empty: every reason
+
+    def __post_init__(self) -> None:
+        for stage in self.stages:
+            keys.dlq("-", stage)  # refuses an unknown stage
+
+    def matches(self, letter: DeadLetter) -> bool:
+        return not self.reasons or letter.reason in self.reasons
+
 
 def put(r: redis.Redis | redis.client.Pipeline, letter: DeadLetter) -> None:
     """Add (or overwrite) an entry; usable inside a MULTI pipeline."""
@@ -58,3 +83,47 @@ def entries(r: redis.Redis, job: str, stage: str) -> Iterator[DeadLetter]:
 
 def count(r: redis.Redis, job: str, stage: str) -> int:
     return int(r.hlen(keys.dlq(job, stage)))
+
+
+def select(r: redis.Redis, selection: Selection) -> Iterator[DeadLetter]:
+    """Every selected entry, job by job and stage by stage (each in no set order)."""
+    for job in selection.jobs:
+        for stage in selection.stages:
+            for letter in entries(r, job, stage):
+                if selection.matches(letter):
+                    yield letter
+
+
+def find(r: redis.Redis, entry_id: str, selection: Selection) -> list[DeadLetter]:
+    """The entries with this id in the selected jobs and stages (usually one)."""
+    places = [(job, stage) for job in selection.jobs for stage in selection.stages]
+    pipe = r.pipeline(transaction=False)
+    for job, stage in places:
+        pipe.hget(keys.dlq(job, stage), entry_id)
+    found = [DeadLetter.from_json(raw) for raw in pipe.execute() if raw is not None]
+    return [letter for letter in found if selection.matches(letter)]
+
+
+# KEYS: dlq hash, counters hash; ARGV: entry ids. Counts what it removed, so a purged id
+# stays accounted for (the job's `dlq_purged` counter) even though it is gone.
+_PURGE_LUA = """
+local n = redis.call('HDEL', KEYS[1], unpack(ARGV))
+redis.call('HINCRBY', KEYS[2], 'dlq_purged', n)
+return n
+"""
+# Lua's unpack() takes a few thousand values at most.
+_PURGE_BATCH = 500
+
+
+def purge(r: redis.Redis, letters: Iterable[DeadLetter]) -> int:
+    """Remove entries for good; returns how many were still there to remove."""
+    by_hash: dict[tuple[str, str], list[str]] = {}
+    for letter in letters:
+        by_hash.setdefault((letter.job, letter.stage), []).append(letter.entry_id)
+    script = r.register_script(_PURGE_LUA)
+    removed = 0
+    for (job, stage), ids in by_hash.items():
+        for start in range(0, len(ids), _PURGE_BATCH):
+            batch = ids[start : start + _PURGE_BATCH]
+            removed += int(script(keys=[keys.dlq(job, stage), keys.job_counters(job)], args=batch))
+    return removed

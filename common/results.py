@@ -7,7 +7,7 @@ is in a shard).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
@@ -34,6 +34,9 @@ class GeneratedResult:
     server: str
     worker: str
     attempt: int
+    # The sampling params sent (the job's, with the chunk's override merged over them).
+    # Empty in results written before this field existed: those used the job's.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def to_fields(self) -> dict[bytes, bytes]:
         return {FIELD: orjson.dumps(asdict(self))}

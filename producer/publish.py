@@ -5,7 +5,9 @@ queued) nor queue a chunk twice (queued, ids not recorded, so a rerun queues it 
 Celery publishes outside any transaction, so regen lets Celery and kombu build the exact
 message they would send (headers, properties, priority list key) and captures the Redis
 command instead of running it; a Lua script then checks the ids, pushes the message,
-records the ids and advances the resume cursors, all or nothing.
+records the ids and advances the resume cursors, all or nothing. A requeued chunk
+(`regen dlq requeue`) goes out the same way, with its dead letters removed in that same
+script instead of its ids recorded (they are in the job already).
 """
 
 from __future__ import annotations
@@ -44,6 +46,29 @@ for k = 5, #KEYS do
 end
 redis.call('HSET', KEYS[2], ARGV[1], n_ids)
 redis.call('HINCRBY', KEYS[4], 'enqueued', n_ids)
+return {}
+"""
+
+
+# KEYS: dlq hash, chunks hash, counters hash, then one key per LPUSH.
+# ARGV: chunk id, number of ids, ids..., messages...
+# Returns {} when published, else the ids no longer in the DLQ (requeued or purged by
+# someone else meanwhile: the caller rebuilds the chunk without them).
+_REQUEUE_LUA = """
+local n_ids = tonumber(ARGV[2])
+local gone = {}
+for i = 3, 2 + n_ids do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then table.insert(gone, ARGV[i]) end
+end
+if #gone > 0 then return gone end
+for i = 3, 2 + n_ids do redis.call('HDEL', KEYS[1], ARGV[i]) end
+local c = 3 + n_ids
+for k = 4, #KEYS do
+  redis.call('LPUSH', KEYS[k], ARGV[c])
+  c = c + 1
+end
+redis.call('HSET', KEYS[2], ARGV[1], n_ids)
+redis.call('HINCRBY', KEYS[3], 'requeued', n_ids)
 return {}
 """
 
@@ -89,6 +114,7 @@ class ChunkPublisher:
         self._job = job
         self._queue = queue
         self._script = r.register_script(_PUBLISH_LUA)
+        self._requeue_script = r.register_script(_REQUEUE_LUA)
         self._connection = app.connection_for_write()
         self._producer = app.amqp.Producer(self._connection)
         self._capture: _CapturedPublish | None = None
@@ -148,6 +174,24 @@ class ChunkPublisher:
         if result == ["chunk"]:
             return PublishOutcome(False, [])
         return PublishOutcome(False, result)
+
+    def requeue(
+        self, chunk_id: str, payload: dict[str, Any], prompt_ids: list[str], dlq_key: str
+    ) -> list[str]:
+        """Publish a chunk of dead-lettered prompts and remove their entries from
+        `dlq_key`, together. Returns [] when done, else the ids no longer dead-lettered
+        (nothing was published)."""
+        pushes, after = self._render(chunk_id, payload)
+        job = self._job
+        lua_keys = [dlq_key, keys.job_chunks(job), keys.job_counters(job)]
+        lua_keys += [key for key, _ in pushes]
+        argv: list[Any] = [chunk_id, len(prompt_ids), *prompt_ids]
+        argv += [message for _, message in pushes]
+        gone = [x.decode() for x in self._requeue_script(keys=lua_keys, args=argv)]
+        if not gone:
+            for name, args in after:
+                self._r.execute_command(name, *args)
+        return gone
 
     def close(self) -> None:
         self._connection.release()

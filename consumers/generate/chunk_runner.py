@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import redis
@@ -132,6 +133,7 @@ def _dead_letter_all(
                     "chunk": chunk.chunk_id,
                     "prompt_ids": prompt.prompt_ids,
                     "messages": prompt.messages,
+                    "sampling": chunk.sampling,
                 },
                 history=history,
                 worker=ctx.worker,
@@ -160,7 +162,12 @@ async def _generate_with_retry(
 
 
 def _hand_off(
-    ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, result: GenerateResult, attempt: int
+    ctx: ChunkContext,
+    chunk: Chunk,
+    prompt: ChunkPrompt,
+    result: GenerateResult,
+    attempt: int,
+    sampling: dict[str, Any],
 ) -> None:
     generated = GeneratedResult(
         id=prompt.id,
@@ -179,6 +186,7 @@ def _hand_off(
         server=result.server,
         worker=ctx.worker,
         attempt=attempt,
+        sampling=sampling,
     )
     pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
     pipe.xadd(keys.results_stream(chunk.job), generated.to_fields())
@@ -208,6 +216,7 @@ def _reject(
                 "chunk": chunk.chunk_id,
                 "prompt_ids": prompt.prompt_ids,
                 "messages": prompt.messages,
+                "sampling": chunk.sampling,
                 "server": exc.server,
             },
             worker=ctx.worker,
@@ -253,13 +262,15 @@ def _generate_all(
     ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int, skipped: int
 ) -> ChunkOutcome:
     spec = ctx.spec(chunk.job)
+    # A requeued chunk may override some params (`regen dlq requeue --set`).
+    sampling = {**spec.sampling, **chunk.sampling}
     deadline = time.monotonic() + GIVE_BACK_AFTER_S
     futures: dict[Future[GenerateResult], ChunkPrompt] = {}
     for prompt in todo:
         request = GenerateRequest(
             rid=f"{chunk.chunk_id}-{prompt.id}-{attempt}",
             prompt_ids=prompt.prompt_ids,
-            sampling=dict(spec.sampling),
+            sampling=dict(sampling),
         )
         futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request, deadline))] = prompt
     ctx.count_inflight(len(futures))
@@ -274,7 +285,7 @@ def _generate_all(
                 _reject(ctx, chunk, prompt, exc, attempt)
                 rejected += 1
                 continue
-            _hand_off(ctx, chunk, prompt, result, attempt)
+            _hand_off(ctx, chunk, prompt, result, attempt, sampling)
             generated += 1
     except BaseException:
         # Leaving early (shutdown, lost Redis): stop the prompts still running so the

@@ -19,6 +19,7 @@ from celery import Celery, bootsteps
 from common import connection, jobspec
 from common.celery_app import make_app
 from common.heartbeat import Heartbeat, worker_name
+from common.metrics import generate_metrics
 from consumers.generate.chunk_runner import ChunkContext
 from consumers.generate.engines import EngineOptions, make_engine
 from consumers.generate.runner import EngineRunner
@@ -31,7 +32,7 @@ WATCH_INTERVAL_S = 2.0
 
 @dataclass
 class WorkerOptions:
-    redis_url: str
+    redis_url: str | None
     engine: str
     engine_options: EngineOptions
     jobs: list[str] = field(default_factory=list)
@@ -40,6 +41,7 @@ class WorkerOptions:
     concurrency: int = 0
     max_attempts: int = 3
     loglevel: str = "INFO"
+    # Serve Prometheus metrics on this port; None: no metrics endpoint.
     metrics_port: int | None = None
 
 
@@ -169,6 +171,10 @@ def run_worker(options: WorkerOptions) -> None:
     app.steps["consumer"].add(make_queue_gate(state))
     watcher = Watcher(options, ctx, state)
     heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))
+    metrics = None
+    if options.metrics_port is not None:
+        metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
+        metrics.serve(options.metrics_port)
     watcher.start()
     heartbeat.start()
     log.info(
@@ -200,6 +206,8 @@ def run_worker(options: WorkerOptions) -> None:
     finally:
         watcher.stop()
         heartbeat.stop()
+        if metrics is not None:
+            metrics.close()
         runner.close()
 
 

@@ -17,7 +17,8 @@ A record (one JSON line in a shard, schema `regen.record/1`):
 - `prompt_tokens`, `completion_tokens`: how many of `input_ids` are prompt and output.
 - `finish_reason`: "stop" (a stop token or string ended the turn) or "length"
   (max_new_tokens or the context ran out; kept only with `on_truncated=keep`).
-- `sampling`: the SGLang sampling params sent (the job spec's).
+- `sampling`: the SGLang sampling params sent: the job spec's, with a requeued chunk's
+  overrides (`regen dlq requeue --set`) merged over them.
 - `chat_template_kwargs`: the template kwargs the prompt was rendered with.
 - `source`: where the prompt came from (file and row).
 - `drift`: whether re-rendering `messages` with the chat template gives ids other than
@@ -153,7 +154,7 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "prompt_tokens": n_prompt,
         "completion_tokens": n_output,
         "finish_reason": finish,
-        "sampling": ctx.spec.sampling,
+        "sampling": _sampling(result, ctx),
         "chat_template_kwargs": ctx.spec.chat_template_kwargs,
         "source": result.source,
         "drift": (drift_at is not None) if ctx.drift_check else None,
@@ -161,6 +162,11 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "server": result.server,
         "generated_by": result.worker,
     }
+
+
+def _sampling(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
+    """The params the result was generated with (older results did not say: the job's)."""
+    return result.sampling or ctx.spec.sampling
 
 
 def _check_finish(result: GeneratedResult) -> tuple[str, Any]:
@@ -206,7 +212,7 @@ def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matche
     cut may end inside a UTF-8 sequence, whose replacement characters a server may hold
     back. Nothing else may differ.
     """
-    sampling = ctx.spec.sampling
+    sampling = _sampling(result, ctx)
     trim = bool(matched) and not sampling.get("no_stop_trim", False)
     ids = result.output_ids[:-1] if trim and _is_token(matched) else result.output_ids
     decoded = ctx.tokenizer.decode(

@@ -24,6 +24,7 @@ from common import crashpoints
 
 MANIFEST = "manifest.jsonl"
 TMP_SUFFIX = ".tmp"
+REWRITE_SUFFIX = ".rewrite"
 ZSTD_LEVEL = 3
 
 
@@ -42,8 +43,9 @@ def owner_token(owner: str) -> str:
 
 
 def leftover_owner(path: Path) -> str | None:
-    """The writer token of a temporary shard file, None for any other file."""
-    name = path.name
+    """The writer token of a temporary shard file (or its rewrite staging file), None for
+    any other file."""
+    name = path.name.removesuffix(REWRITE_SUFFIX)
     if not (name.startswith(".shard-") and name.endswith(TMP_SUFFIX)):
         return None
     return name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
@@ -150,7 +152,7 @@ def rewrite_without(shard: OpenShard, drop: set[str]) -> ShardInfo:
 
     Rare: only when two consumers held the same id at once.
     """
-    staging = shard.path.with_name(shard.path.name + ".rewrite")
+    staging = shard.path.with_name(shard.path.name + REWRITE_SUFFIX)
     fresh = OpenShard(shard.folder, shard.name, shard.owner, path=staging)
     for record in iter_records(shard.path):
         if record["id"] not in drop:

@@ -9,12 +9,16 @@ from typing import Any
 
 from common import connection
 from common.heartbeat import Heartbeat, RateMeter, worker_name
+from common.metrics import tokenize_metrics
 from consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 
 log = logging.getLogger("regen.tokenize")
 
 
-def run_worker(redis_url: str | None, options: TokenizeOptions) -> None:
+def run_worker(
+    redis_url: str | None, options: TokenizeOptions, metrics_port: int | None = None
+) -> None:
+    """`metrics_port`: serve Prometheus metrics there; None: no metrics endpoint."""
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
     name = worker_name("tokenize")
@@ -44,6 +48,10 @@ def run_worker(redis_url: str | None, options: TokenizeOptions) -> None:
         }
 
     heartbeat = Heartbeat(r, name, snapshot)
+    metrics = None
+    if metrics_port is not None:
+        metrics = tokenize_metrics(name, url, consumer.state)
+        metrics.serve(metrics_port)
     heartbeat.start()
     log.info(
         "tokenize worker %s writing to %s, Redis %s", name, options.out_dir, connection.redact(url)
@@ -52,3 +60,5 @@ def run_worker(redis_url: str | None, options: TokenizeOptions) -> None:
         consumer.run(stop)
     finally:
         heartbeat.stop()
+        if metrics is not None:
+            metrics.close()

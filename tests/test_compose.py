@@ -1,0 +1,222 @@
+"""compose.yaml and the Dockerfile against the code: every regen command, option and
+environment variable the deployment uses exists, and it keeps regen's guarantees."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+
+from common import defaults
+from regen.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE: dict[str, Any] = yaml.safe_load((REPO / "compose.yaml").read_text())
+SERVICES: dict[str, Any] = COMPOSE["services"]
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+PACKAGES = ("regen", "common", "consumers", "producer")
+
+
+def as_argv(value: str | list[str]) -> list[str]:
+    return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+
+
+def image_entrypoint() -> list[str]:
+    (line,) = re.findall(r"^ENTRYPOINT (.+)$", DOCKERFILE, re.MULTILINE)
+    entrypoint: list[str] = json.loads(line)
+    return entrypoint
+
+
+def regen_services() -> dict[str, list[str]]:
+    """Services built from the regen image, with the argv each container runs."""
+    return {
+        name: as_argv(service.get("entrypoint", image_entrypoint()))
+        + as_argv(service.get("command", []))
+        for name, service in SERVICES.items()
+        if "build" in service
+    }
+
+
+def cli_problems(args: list[str]) -> list[str]:
+    """What in `regen ARGS` the click CLI would refuse (compose values like ${VAR} pass)."""
+    command: click.Command = main
+    path = ["regen"]
+    args = list(args)
+    while isinstance(command, click.Group):
+        if not args or args[0].startswith("-"):
+            return [f"{' '.join(path)} needs a subcommand"]
+        name = args.pop(0)
+        if name not in command.commands:
+            return [f"{' '.join(path)} has no command {name!r}"]
+        command = command.commands[name]
+        path.append(name)
+    where = " ".join(path)
+    options = {
+        opt: param
+        for param in command.params
+        if isinstance(param, click.Option)
+        for opt in (*param.opts, *param.secondary_opts)
+    }
+    problems: list[str] = []
+    given: set[str | None] = set()
+    positional: list[str] = []
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("-"):
+            positional.append(arg)
+            continue
+        name, eq, inline = arg.partition("=")
+        option = options.get(name)
+        if option is None:
+            problems.append(f"{where} has no option {name}")
+            continue
+        given.add(option.name)
+        if option.is_flag or option.count:
+            if eq:
+                problems.append(f"{where} {name} is a flag: it takes no value")
+            continue
+        value = inline if eq else (args.pop(0) if args and not args[0].startswith("-") else None)
+        if value is None:
+            problems.append(f"{where} {name} needs a value")
+        elif "$" not in value and not isinstance(option.type, click.Path):
+            try:
+                option.type.convert(value, option, None)
+            except click.BadParameter as exc:
+                problems.append(f"{where} {name} {value}: {exc.message}")
+    arguments = [p for p in command.params if isinstance(p, click.Argument)]
+    if positional and not arguments:
+        problems.append(f"{where} takes no arguments, got {positional}")
+    for param in command.params:
+        if not param.required:
+            continue
+        if isinstance(param, click.Option) and param.name not in given:
+            problems.append(f"{where} needs {param.opts[0]}")
+        if isinstance(param, click.Argument) and not positional:
+            problems.append(f"{where} needs {param.human_readable_name}")
+    return problems
+
+
+def options_of(argv: list[str]) -> dict[str, str]:
+    """`--name value` pairs of an argv (flags map to "")."""
+    pairs: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            pairs[arg] = "" if following.startswith("--") else following
+    return pairs
+
+
+@pytest.mark.parametrize("service", sorted(regen_services()))
+def test_every_regen_service_runs_a_command_and_options_the_cli_has(service: str) -> None:
+    argv = regen_services()[service]
+    assert argv[0] == "regen", argv
+    assert cli_problems(argv[1:]) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["worker", "generat"],
+        ["worker"],
+        ["worker", "generate", "--bogus", "1"],
+        ["worker", "tokenize", "--out"],
+        ["worker", "generate", "--trust-remote-code=yes"],
+        ["worker", "tokenize", "--on-truncated", "sometimes"],
+        ["worker", "generate", "--max-inflight", "0"],
+        ["worker", "tokenize", "stray"],
+        ["enqueue", "/data/x.jsonl", "--job", "j"],
+        ["enqueue", "--job", "j", "--model", "m"],
+    ],
+)
+def test_the_check_refuses_what_the_cli_would_refuse(args: list[str]) -> None:
+    assert cli_problems(args)
+
+
+def test_compose_runs_the_whole_pipeline() -> None:
+    assert {"redis", "sglang", "generate", "tokenize", "flower", "producer"} <= set(SERVICES)
+    argv = regen_services()
+    assert argv["generate"][1:3] == ["worker", "generate"]
+    assert argv["tokenize"][1:3] == ["worker", "tokenize"]
+    assert argv["producer"][1] == "enqueue"
+    assert SERVICES["producer"]["profiles"] == ["enqueue"]
+    assert SERVICES["producer"]["restart"] == "no"
+    # The tokenize worker's shards outlive its container.
+    out = options_of(argv["tokenize"])["--out"]
+    assert any(v.split(":")[:2] == ["shards", out] for v in SERVICES["tokenize"]["volumes"])
+    assert "shards" in COMPOSE["volumes"]
+
+
+def test_the_image_runs_the_installed_regen_command() -> None:
+    assert image_entrypoint() == ["regen"]
+    (script,) = entry_points(group="console_scripts", name="regen")
+    assert script.value == "regen.cli:main"
+    # pyproject.toml's package list (no tomllib: Python 3.10 is supported).
+    (include,) = re.findall(r"^include = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)
+    assert set(re.findall(r'"(\w+)\*"', include)) == set(PACKAGES)
+    for package in PACKAGES:  # a package missing from the image fails only at run time
+        assert f"COPY {package} {package}" in DOCKERFILE
+    assert re.search(r"^FROM python:3\.11-slim$", DOCKERFILE, re.MULTILINE)
+    assert "pip install --no-deps ." in DOCKERFILE  # no extras: SGLang is reached over HTTP
+
+
+def test_redis_persists_every_write_refuses_eviction_and_needs_a_password() -> None:
+    options = options_of(as_argv(SERVICES["redis"]["command"]))
+    assert options["--appendonly"] == "yes"
+    assert options["--appendfsync"] == "always"
+    assert options["--maxmemory-policy"] == "noeviction"
+    assert options["--requirepass"].startswith("${REDIS_PASSWORD")
+    assert "healthcheck" in SERVICES["redis"]
+
+
+def test_every_broker_client_uses_the_password_and_one_visibility_timeout() -> None:
+    clients = {name: SERVICES[name]["environment"] for name in regen_services()}
+    clients["flower"] = SERVICES["flower"]["environment"]
+    for name, env in clients.items():
+        url = env.get("REGEN_REDIS_URL") or env["CELERY_BROKER_URL"]
+        assert url.startswith("redis://:${REDIS_PASSWORD") and "@redis:6379/" in url, name
+        # kombu redelivers a message unacked for longer: every process must agree.
+        timeout = env["REGEN_VISIBILITY_TIMEOUT"]
+        assert timeout == f"${{REGEN_VISIBILITY_TIMEOUT:-{defaults.VISIBILITY_TIMEOUT_S}}}", name
+    flower_config = COMPOSE["configs"]["flower-celeryconfig"]["content"]
+    assert 'os.environ["REGEN_VISIBILITY_TIMEOUT"]' in flower_config
+    assert "broker_transport_options" in flower_config
+
+
+def test_the_generate_worker_waits_for_a_healthy_sglang_server() -> None:
+    sglang = SERVICES["sglang"]
+    assert SERVICES["generate"]["depends_on"]["sglang"]["condition"] == "service_healthy"
+    assert "/health_generate" in " ".join(sglang["healthcheck"]["test"])
+    server = options_of(regen_services()["generate"])["--server"]
+    port = options_of(as_argv(sglang["command"]))["--port"]
+    assert server == f"http://sglang:{port}"
+    assert "--enable-metrics" in as_argv(sglang["command"])
+    (device,) = sglang["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"]
+
+
+def test_every_metrics_port_is_published() -> None:
+    for name, argv in regen_services().items():
+        port = options_of(argv).get("--metrics-port")
+        if port is not None:
+            published = [str(p) for p in SERVICES[name].get("ports", [])]
+            assert any(p.endswith(f":{port}") for p in published), (name, published)
+    assert {"generate", "tokenize"} <= {
+        name for name, argv in regen_services().items() if "--metrics-port" in argv
+    }
+
+
+def test_regen_environment_variables_are_ones_the_code_reads() -> None:
+    source = "\n".join(
+        path.read_text() for package in PACKAGES for path in (REPO / package).rglob("*.py")
+    )
+    for name in regen_services():
+        for variable in SERVICES[name].get("environment", {}):
+            if variable.startswith("REGEN_"):
+                assert f'"{variable}"' in source, f"{name}: nothing reads {variable}"
