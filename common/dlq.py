@@ -106,12 +106,20 @@ def find(r: redis.Redis, entry_id: str, selection: Selection) -> list[DeadLetter
 
 # KEYS: dlq hash, counters hash; ARGV: entry ids. Counts what it removed, so a purged id
 # stays accounted for (the job's `dlq_purged` counter) even though it is gone.
+# Purged prompt ids are remembered (ids only), so `regen verify` can tell a purged
+# prompt from a lost one; bad input rows (`row:`) and malformed tasks have no prompt id.
 _PURGE_LUA = """
-local n = redis.call('HDEL', KEYS[1], unpack(ARGV))
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('HDEL', KEYS[1], ARGV[i]) == 1 then
+    n = n + 1
+    if not string.find(ARGV[i], ':', 1, true) then redis.call('SADD', KEYS[3], ARGV[i]) end
+  end
+end
 redis.call('HINCRBY', KEYS[2], 'dlq_purged', n)
 return n
 """
-# Lua's unpack() takes a few thousand values at most.
+# Entries per script call: keeps each call short.
 _PURGE_BATCH = 500
 
 
@@ -125,5 +133,6 @@ def purge(r: redis.Redis, letters: Iterable[DeadLetter]) -> int:
     for (job, stage), ids in by_hash.items():
         for start in range(0, len(ids), _PURGE_BATCH):
             batch = ids[start : start + _PURGE_BATCH]
-            removed += int(script(keys=[keys.dlq(job, stage), keys.job_counters(job)], args=batch))
+            lua_keys = [keys.dlq(job, stage), keys.job_counters(job), keys.dlq_purged(job)]
+            removed += int(script(keys=lua_keys, args=batch))
     return removed

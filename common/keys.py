@@ -17,6 +17,15 @@ JOBS = f"{PREFIX}:jobs"
 WORKERS = f"{PREFIX}:workers"
 # Where the embedded Redis and the tokenizer workers say they are.
 TOKENIZE_OUTPUTS = f"{PREFIX}:tokenize:outputs"
+# kombu's Redis transport keeps delivered, unacknowledged messages of every queue in
+# this hash: delivery tag -> JSON [message, exchange, routing key]. Named by kombu
+# (Channel.unacked_key); regen only reads it.
+KOMBU_UNACKED = "unacked"
+
+# Fields of `job_counters` that the tokenize stage adds to as each shard is finalized.
+COMMITTED_PROMPTS = "committed_prompts"
+COMMITTED_OUTPUT_TOKENS = "committed_output_tokens"
+COMMITTED_SHARD_BYTES = "committed_shard_bytes"
 
 STAGES = ("input", "generate", "tokenize")
 
@@ -89,6 +98,12 @@ def shards(job: str) -> str:
     return _job(job, "shards")
 
 
+def job_progress(job: str) -> str:
+    """List: JSON [server time, committed prompts, committed output tokens] at each shard
+    commit, newest first and capped: the samples `regen status` takes rates from."""
+    return _job(job, "progress")
+
+
 def shard_seq(job: str) -> str:
     """Counter: the next shard number of the job."""
     return _job(job, "shards:seq")
@@ -99,6 +114,12 @@ def dlq(job: str, stage: str) -> str:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
     return _job(job, f"dlq:{stage}")
+
+
+def dlq_purged(job: str) -> str:
+    """Set: prompt ids whose dead letters were purged for good: their last place, so
+    `regen verify` can tell them from lost ones."""
+    return _job(job, "dlq:purged")
 
 
 def generate_queue(job: str) -> str:

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from regen import cli_dlq, cli_enqueue, cli_plan, cli_redis, cli_shards, cli_worker
+from regen import cli_dlq, cli_enqueue, cli_plan, cli_redis, cli_shards, cli_status, cli_worker
 from regen.options import redis_url_option
 
 
@@ -95,3 +95,5 @@ main.add_command(cli_shards.shards_group)
 main.add_command(cli_plan.plan)
 main.add_command(cli_plan.preflight)
 main.add_command(cli_dlq.dlq_group)
+main.add_command(cli_status.status)
+main.add_command(cli_status.verify)

@@ -7,8 +7,9 @@ Commit protocol for a shard (the file is already durably written under its temp 
    temp file, and claims again);
 2. the owner renames the file into place (only while its lease has a safety margin left);
 3. finalize: one Lua script moves the shard from pending to the job's shard list, acks
-   and deletes its stream entries, and drops any dead letters of its ids (a requeued id
-   that succeeds leaves the DLQ).
+   and deletes its stream entries, drops any dead letters of its ids (a requeued id
+   that succeeds leaves the DLQ), and adds the shard to the job's committed counters and
+   progress samples (what `regen status` reads its rates from).
 A crash between 1 and 3 leaves a pending shard; once its lease expires any consumer of
 the job resolves it from the filesystem alone: a shard in place is finalized, a missing
 one has its claims released so its results, still unacked on the stream, are written
@@ -42,14 +43,30 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return {}
 """
 
-# KEYS: pending, shards, stream, dlq generate, dlq tokenize
+# Progress samples kept per job (keys.job_progress): at one commit a minute or faster,
+# more than `regen status` needs for its rate window.
+PROGRESS_SAMPLES = 1000
+
+# KEYS: pending, shards, stream, dlq generate, dlq tokenize, counters, progress
 # ARGV: shard, manifest row, group, n entries, entries..., ids...
-_FINALIZE_LUA = """
+# The counters and the progress sample move only when the shard is new to the shard
+# list: a recovery may finalize a shard again, and must not count it twice.
+_FINALIZE_LUA = f"""
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0
 then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 local n = tonumber(ARGV[4])
+if redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) == 1 then
+  local row = cjson.decode(ARGV[2])
+  local prompts = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_PROMPTS}', #ARGV - 4 - n)
+  local tokens = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_OUTPUT_TOKENS}',
+                            row['completion_tokens'])
+  redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_SHARD_BYTES}', row['compressed_bytes'])
+  local t = redis.call('TIME')
+  local sample = string.format('[%s.%06d,%d,%d]', t[1], tonumber(t[2]), prompts, tokens)
+  redis.call('LPUSH', KEYS[7], sample)
+  redis.call('LTRIM', KEYS[7], 0, {PROGRESS_SAMPLES - 1})
+end
 for i = 5, 4 + n do
   redis.call('XACK', KEYS[3], ARGV[3], ARGV[i])
   redis.call('XDEL', KEYS[3], ARGV[i])
@@ -127,6 +144,8 @@ class CommitLedger:
                 keys.results_stream(job),
                 keys.dlq(job, "generate"),
                 keys.dlq(job, "tokenize"),
+                keys.job_counters(job),
+                keys.job_progress(job),
             ],
             args=[shard, manifest_row, keys.TOKENIZE_GROUP, len(entries), *entries, *ids],
         )

@@ -78,6 +78,7 @@ class JobWriter:
         self._context = context
         self._policy = policy
         self._shard: OpenShard | None = None
+        self._committed_now: set[str] = set()
         # Stream entries per id in the open shard, acked when it commits.
         self._entries: dict[str, list[str]] = {}
         folder.mkdir(parents=True, exist_ok=True)
@@ -102,8 +103,14 @@ class JobWriter:
             results.append((entry_id, GeneratedResult.from_fields(fields)))
         owners = self._ledger.owner_of([res.id for _, res in results])
         pending = set(self._ledger.pending()) if any(owners) else set()
+        # Ids this call commits when a shard fills mid-batch: their later copies in the
+        # batch are duplicates, though `owners` was read before the commit.
+        self._committed_now = set()
         for (entry_id, result), owner in zip(results, owners, strict=True):
-            if owner is not None:
+            if result.id in self._committed_now:
+                self.counters.duplicates += 1
+                self._ack([entry_id])
+            elif owner is not None:
                 if owner in pending:
                     continue  # decided when that shard commits or is released
                 self.counters.duplicates += 1
@@ -210,6 +217,7 @@ class JobWriter:
         crashpoints.hit("tokenize.after_place")
         acked = [e for pid in shard.ids for e in entries.get(pid, [])]
         self._ledger.finalize(shard.name, info.to_json(), acked, sorted(shard.ids))
+        self._committed_now |= shard.ids
         self.counters.shards += 1
         log.info(
             "%s: shard %s in place (%d rows, %d bytes)",

@@ -1,0 +1,172 @@
+"""What `regen status` reports, as one JSON-ready document: per job its prompt counts,
+rates, ETA, shards and warnings; per worker its last heartbeat.
+
+Every count is O(window) or O(1) in Redis (common/accounting.py), so it can be redrawn
+every few seconds on a 1M-prompt job; `regen verify` is the exact, id-by-id check.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+
+from common import accounting, defaults, jobspec, keys
+from common.jobspec import JobSpec
+
+# Rates are measured over about this much recent time.
+RATE_WINDOW_S = 600.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Committed totals of a job at one moment (Redis server time)."""
+
+    time: float
+    prompts: int
+    tokens: int
+
+
+def window_rates(samples: list[Sample], now: Sample, window_s: float) -> tuple[float, float] | None:
+    """(prompts/s, output tokens/s) over about the last `window_s`, from the samples the
+    tokenize stage takes at each shard commit (oldest first) and the totals `now`.
+
+    The baseline is the newest sample at least `window_s` old; a job younger than that
+    is measured from its first commit. None when there is nothing to measure yet: a
+    single recent commit says how much, not how fast.
+    """
+    start = now.time - window_s
+    older = [s for s in samples if s.time <= start]
+    if older:
+        base = older[-1]
+    elif len(samples) >= 2:
+        base = samples[0]
+    else:
+        return None
+    span = now.time - base.time
+    if span <= 0:
+        return None
+    return (now.prompts - base.prompts) / span, (now.tokens - base.tokens) / span
+
+
+def _progress(r: redis.Redis, job: str) -> tuple[list[Sample], Sample]:
+    pipe = r.pipeline(transaction=False)
+    pipe.lrange(keys.job_progress(job), 0, -1)
+    pipe.hmget(keys.job_counters(job), [keys.COMMITTED_PROMPTS, keys.COMMITTED_OUTPUT_TOKENS])
+    pipe.time()
+    raw_samples, (prompts, tokens), (secs, micros) = pipe.execute()
+    samples = [Sample(*orjson.loads(raw)) for raw in reversed(raw_samples)]
+    return samples, Sample(secs + micros / 1e6, int(prompts or 0), int(tokens or 0))
+
+
+def _free_bytes(output: dict[str, Any], beats: dict[str, dict[str, Any]]) -> int | None:
+    """Free space where the job's shards are: measured now when they are on this host,
+    else the writing worker's last report (`beats`: live workers by name)."""
+    folder = output.get("dir")
+    if output.get("host") == os.uname().nodename and folder and os.path.isdir(folder):
+        stat = os.statvfs(folder)
+        return stat.f_bavail * stat.f_frsize
+    beat = beats.get(output.get("worker", ""))
+    return None if beat is None or beat.get("free_bytes") is None else int(beat["free_bytes"])
+
+
+def job_status(
+    r: redis.Redis, spec: JobSpec, workers: list[dict[str, Any]], window_s: float
+) -> dict[str, Any]:
+    job = spec.name
+    counts = accounting.count_places(r, spec)
+    pipe = r.pipeline(transaction=False)
+    pipe.hlen(keys.shards(job))
+    pipe.hget(keys.job_counters(job), keys.COMMITTED_SHARD_BYTES)
+    pipe.hget(keys.TOKENIZE_OUTPUTS, job)
+    shard_count, shard_bytes, raw_output = pipe.execute()
+    output = orjson.loads(raw_output) if raw_output else {}
+    free = _free_bytes(output, {w["name"]: w for w in workers if not w["stale"]})
+    samples, now = _progress(r, job)
+    rates = window_rates(samples, now, window_s)
+    remaining = max(counts.total - counts.done - counts.dead_lettered - counts.purged, 0)
+    eta = 0.0 if remaining == 0 else remaining / rates[0] if rates and rates[0] > 0 else None
+
+    live = [w for w in workers if not w["stale"]]
+    generators = [w for w in live if w.get("kind") == "generate" and spec.queue in w["queues"]]
+    tokenizers = [w for w in live if w.get("kind") == "tokenize" and job in w.get("jobs", {})]
+    flags = []
+    if counts.waiting_chunks and not generators:
+        flags.append(
+            f"{counts.waiting_chunks} chunk(s) wait on {spec.queue} but no live generate "
+            "worker consumes it"
+        )
+    if counts.results_pending and not tokenizers:
+        flags.append(
+            f"{counts.results_pending} result(s) wait but no live tokenize worker has this job open"
+        )
+    for worker in tokenizers:
+        if worker.get("paused_for_disk"):
+            flags.append(f"tokenize worker {worker['name']} is paused: low disk")
+    if counts.unplaced:
+        flags.append(
+            f"{counts.unplaced:+} prompt(s) in no place by these counts: "
+            "`regen verify` checks id by id"
+        )
+    return {
+        "job": job,
+        "model": spec.model,
+        "queue": spec.queue,
+        "prompts": {
+            "total": counts.total, "waiting": counts.waiting, "in_flight": counts.in_flight,
+            "done": counts.done, "dead_lettered": counts.dead_lettered,
+            "purged": counts.purged, "unplaced": counts.unplaced,
+        },
+        # In flight, by where: prompts in chunks workers hold, results not yet in a shard
+        # (of which `committing` are claimed by a shard being committed).
+        "in_flight_parts": {
+            "generating": counts.generating, "results_pending": counts.results_pending,
+            "committing": counts.committing,
+        },
+        "chunks": {"waiting": counts.waiting_chunks, "in_flight": counts.in_flight_chunks},
+        "dead_letters": counts.dead_letters,
+        "dead_letters_without_prompt": counts.other_dead_letters,
+        "committed": {"prompts": now.prompts, "output_tokens": now.tokens},
+        "rate": {
+            "window_s": window_s,
+            "prompts_per_s": rates[0] if rates else None,
+            "output_tokens_per_s": rates[1] if rates else None,
+        },
+        "eta_s": eta,
+        "shards": {
+            "count": shard_count, "bytes": int(shard_bytes or 0), "dir": output.get("dir"),
+            "host": output.get("host"), "free_bytes": free,
+        },
+        "workers": {"generate": len(generators), "tokenize": len(tokenizers)},
+        "flags": flags,
+    }  # fmt: skip
+
+
+def worker_status(r: redis.Redis) -> list[dict[str, Any]]:
+    """Every worker's last heartbeat, with its age and whether it is stale (a worker that
+    stopped cleanly removes its record, so a stale one died or is stuck)."""
+    now = time.time()
+    out = []
+    for name, raw in sorted(r.hgetall(keys.WORKERS).items()):
+        beat = orjson.loads(raw)
+        age = now - float(beat.get("last_seen", 0))
+        beat.update(
+            name=accounting.text(name), age_s=age, stale=age > defaults.HEARTBEAT_STALE_S,
+            queues=beat.get("queues") or [],
+        )  # fmt: skip
+        out.append(beat)
+    return out
+
+
+def snapshot(
+    r: redis.Redis, job: str | None = None, window_s: float = RATE_WINDOW_S
+) -> dict[str, Any]:
+    """The whole status document: one job, or every job in this Redis."""
+    names = [job] if job else jobspec.list_jobs(r)
+    workers = worker_status(r)
+    jobs = [job_status(r, jobspec.load(r, name), workers, window_s) for name in names]
+    return {"time": time.time(), "jobs": jobs, "workers": workers}
