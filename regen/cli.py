@@ -44,7 +44,9 @@ def main(verbose: int) -> None:
 )
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--thinking/--no-thinking", default=None)
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=192, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=320, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.2, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1), default=0.9, show_default=True)
 @click.option(
     "--dataset",
     type=click.Path(exists=True, dir_okay=False),
@@ -62,6 +64,8 @@ def demo(
     trust_remote_code: bool,
     thinking: bool | None,
     max_new_tokens: int,
+    temperature: float,
+    top_p: float,
     dataset: str | None,
     out_dir: str,
     redis_url: str | None,
@@ -81,6 +85,8 @@ def demo(
             trust_remote_code=trust_remote_code,
             thinking=thinking,
             max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
             dataset=Path(dataset) if dataset else None,
             out_dir=Path(out_dir),
             redis_url=redis_url,

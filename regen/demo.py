@@ -42,7 +42,11 @@ class DemoOptions:
     model: str = "smollm2"
     trust_remote_code: bool = False
     thinking: bool | None = None
-    max_new_tokens: int = 192
+    max_new_tokens: int = 320
+    # SmolLM2's recommended sampling; its generation_config leaves temperature at 1.0,
+    # where a 135M model rambles into the token limit.
+    temperature: float = 0.2
+    top_p: float = 0.9
     dataset: Path | None = None
     out_dir: Path = Path("regen-out")
     redis_url: str | None = None
@@ -178,6 +182,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
             trust_remote_code=options.trust_remote_code,
             thinking=options.thinking,
             max_new_tokens=options.max_new_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
             chunk_size=8,
         )
     )

@@ -29,7 +29,10 @@ def show_summary(
     table.add_row("prompts in the job", str(r.scard(keys.job_ids(spec.name))))
     table.add_row("records in shards", str(records))
     table.add_row("prompt / output tokens", f"{prompt} / {completion}")
-    table.add_row("output tokens/s (wall clock)", f"{completion / max(elapsed_s, 1e-9):.1f}")
+    table.add_row(
+        "output tokens/s (in shards, over the whole run)",
+        f"{completion / max(elapsed_s, 1e-9):.1f}",
+    )
     table.add_row(
         "shards",
         f"{len(manifest)} in {folder} ({sum(i.compressed_bytes for i in manifest.values())} bytes)",
