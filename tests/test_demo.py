@@ -1,0 +1,60 @@
+"""`regen demo` end to end, as the README runs it: embedded Redis, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.embedded_redis import EmbeddedRedis
+from consumers.tokenize.inspect import verify
+from consumers.tokenize.shard_writer import iter_records
+from tests.generate_harness import REPO
+from tests.redis_server import free_port
+from tests.sglang_standin.process import run_standin
+
+pytestmark = pytest.mark.slow
+
+
+def run_demo(tmp_path: Path, *args: str) -> tuple[str, Path]:
+    env = {**os.environ, "REGEN_HOME": str(tmp_path / "home"),
+           "REGEN_EMBEDDED_PORT": str(free_port()), "COLUMNS": "120"}  # fmt: skip
+    env.pop("REGEN_REDIS_URL", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "regen", "demo", "--out", str(tmp_path / "out"), *args],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    finally:
+        EmbeddedRedis(home=Path(env["REGEN_HOME"]).absolute(),
+                      port=int(env["REGEN_EMBEDDED_PORT"])).stop()  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (folder,) = [p for p in (tmp_path / "out").iterdir() if p.name.startswith("demo-")]
+    return done.stdout, folder
+
+
+def check_output(stdout: str, folder: Path) -> None:
+    assert "summary" in stdout and "records in shards" in stdout
+    assert "loss_mask 1" in stdout  # the decoded record and where its mask turns on
+    assert "rejected empty_content: 1" in stdout and "duplicates 1" in stdout
+    assert verify(folder) == []
+    records = [r for shard in folder.glob("shard-*.jsonl.zst") for r in iter_records(shard)]
+    assert records
+    for record in records:
+        assert record["loss_mask"][-1] == 1 and record["finish_reason"] == "stop"
+
+
+def test_the_demo_against_an_sglang_server(tmp_path: Path) -> None:
+    with run_standin() as server:
+        stdout, folder = run_demo(tmp_path, "--engine", "sglang", "--server", server.url)
+    check_output(stdout, folder)
+
+
+def test_the_demo_on_the_local_engine(tmp_path: Path) -> None:
+    # The README's command, with shorter answers to keep the suite quick.
+    stdout, folder = run_demo(tmp_path, "--max-new-tokens", "96")
+    check_output(stdout, folder)
+    assert "engine local" in stdout
