@@ -28,6 +28,7 @@ that hits one prompt cannot pin a slot forever.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import orjson
@@ -76,9 +77,19 @@ def classify_error(response: httpx.Response, server: str) -> Failure | PromptRej
 def parse_result(
     payload: bytes, request: GenerateRequest, server: str, started: float
 ) -> GenerateResult:
-    """Map SGLang's response; anything that is not a finished completion is a Failure."""
+    """Map SGLang's HTTP response; anything that is not a finished completion is a Failure."""
     try:
         data = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise Failure("bad_response", f"malformed response: {exc!r}", down=True, bad=True) from None
+    return result_from_reply(data, request, server, started)
+
+
+def result_from_reply(
+    data: Any, request: GenerateRequest, server: str, started: float
+) -> GenerateResult:
+    """Map one /generate reply dict (HTTP or `Engine.async_generate`, the same shape)."""
+    try:
         output_ids, meta, text = data["output_ids"], data["meta_info"], data["text"]
         finish = meta["finish_reason"]
         if not isinstance(text, str) or not all(type(t) is int for t in output_ids):
@@ -95,7 +106,7 @@ def parse_result(
             meta=meta,
         )
         aborted = finish["type"] == "abort"
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise Failure("bad_response", f"malformed response: {exc!r}", down=True, bad=True) from None
     if aborted:  # aborted by the server (shutdown, operator): not a completion
         message = f"request aborted: {finish.get('message')}"
