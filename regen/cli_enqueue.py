@@ -3,52 +3,21 @@
 from __future__ import annotations
 
 import click
-import orjson
 
 from common import connection, defaults, jobspec
-from regen.options import redis_url_option
-
-
-def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict:
-    if not value:
-        return {}
-    try:
-        parsed = orjson.loads(value)
-    except orjson.JSONDecodeError as exc:
-        raise click.BadParameter(f"not valid JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise click.BadParameter("must be a JSON object, e.g. '{\"thinking\": false}'")
-    return parsed
+from regen.options import redis_url_option, target_options
 
 
 @click.command()
 @click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--job", required=True, envvar="REGEN_JOB", help="Job name (created if new).")
-@click.option(
-    "--model",
-    required=True,
-    envvar="REGEN_MODEL",
-    help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
-)
-@click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
-)
+@target_options
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
     default=defaults.CHUNK_SIZE,
     show_default=True,
     help="Prompts per chunk (the unit of work).",
-)
-@click.option(
-    "--max-new-tokens",
-    type=click.IntRange(min=1),
-    default=defaults.MAX_NEW_TOKENS,
-    show_default=True,
-    help="Always sent: SGLang's own default is only 128.",
 )
 @click.option(
     "--temperature",
@@ -59,32 +28,6 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--top-p", type=click.FloatRange(0, 1), default=None)
 @click.option("--top-k", type=int, default=None)
 @click.option("--min-p", type=click.FloatRange(0, 1), default=None)
-@click.option(
-    "--thinking/--no-thinking",
-    default=None,
-    help="Thinking mode, mapped to the chat template's switch "
-    "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
-)
-@click.option(
-    "--chat-template-kwargs",
-    callback=_json_object,
-    default=None,
-    metavar="JSON",
-    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
-)
-@click.option("--system-prompt", default=None, help="System message for rows that have none.")
-@click.option(
-    "--max-prompt-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Longer prompts go to the input DLQ.",
-)
-@click.option(
-    "--context-length",
-    type=click.IntRange(min=2),
-    default=None,
-    help="The server's context length (default: from the model's config).",
-)
 @click.option("--queue", default=None, help="Generate queue (default regen.generate.JOB).")
 @click.option(
     "--limit",

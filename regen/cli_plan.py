@@ -8,44 +8,14 @@ import click
 import orjson
 
 from common import defaults, jobspec
-from regen.cli_enqueue import _json_object
+from regen.options import json_object, target_options
 
-_model_option = click.option(
-    "--model",
-    required=True,
-    envvar="REGEN_MODEL",
-    help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
-)
-_tokenizer_option = click.option(
-    "--tokenizer", default=None, help="Load the tokenizer from here instead."
-)
-_remote_code_option = click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
-)
-_template_kwargs_option = click.option(
-    "--chat-template-kwargs",
-    callback=_json_object,
-    default=None,
-    metavar="JSON",
-    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
-)
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 @click.command()
 @click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True))
-@_model_option
-@_tokenizer_option
-@_remote_code_option
-@click.option(
-    "--max-new-tokens",
-    type=click.IntRange(min=1),
-    default=defaults.MAX_NEW_TOKENS,
-    show_default=True,
-    help="As for enqueue; the output per prompt when --mean-output-tokens is not given.",
-)
+@target_options
 @click.option(
     "--mean-output-tokens",
     type=click.FloatRange(min=1),
@@ -65,21 +35,6 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.
     default=1,
     show_default=True,
     help="Servers sharing the job: the generation time is divided among them.",
-)
-@click.option("--thinking/--no-thinking", default=None, help="As for enqueue.")
-@_template_kwargs_option
-@click.option("--system-prompt", default=None, help="System message for rows that have none.")
-@click.option(
-    "--max-prompt-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Longer prompts are counted as rejected, as enqueue dead-letters them.",
-)
-@click.option(
-    "--context-length",
-    type=click.IntRange(min=2),
-    default=None,
-    help="The server's context length (default: from the model's config).",
 )
 @click.option("--job", default="plan", envvar="REGEN_JOB", help="Job name put in the records.")
 @click.option(
@@ -167,10 +122,25 @@ def plan(
 
 
 @click.command()
-@_model_option
-@_tokenizer_option
-@_remote_code_option
-@_template_kwargs_option
+@click.option(
+    "--model",
+    required=True,
+    envvar="REGEN_MODEL",
+    help="HF model folder, a .gguf file, or 'smollm2'.",
+)
+@click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
+)
+@click.option(
+    "--chat-template-kwargs",
+    callback=json_object,
+    default=None,
+    metavar="JSON",
+    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
+)
 @_json_option
 def preflight(
     model: str,

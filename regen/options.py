@@ -6,6 +6,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+import orjson
+
+from common import defaults
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -19,3 +22,74 @@ def redis_url_option(func: F) -> F:
         help="redis://[:password@]host:port/db or rediss:// for TLS "
         "(env REGEN_REDIS_URL; default: the embedded Redis).",
     )(func)
+
+
+def json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any]:
+    """Click callback: a JSON object given on the command line."""
+    if not value:
+        return {}
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object, e.g. '{\"thinking\": false}'")
+    return parsed
+
+
+def target_options(func: F) -> F:
+    """What decides the prompt ids the server gets: the model, its tokenizer and chat
+    template settings, and the limits on prompts. `enqueue` and `plan` share them, so a
+    plan counts exactly what an enqueue would send."""
+    decorators = [
+        click.option(
+            "--model",
+            required=True,
+            envvar="REGEN_MODEL",
+            help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
+        ),
+        click.option("--tokenizer", default=None, help="Load the tokenizer from here instead."),
+        click.option(
+            "--trust-remote-code",
+            is_flag=True,
+            help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
+        ),
+        click.option(
+            "--max-new-tokens",
+            type=click.IntRange(min=1),
+            default=defaults.MAX_NEW_TOKENS,
+            show_default=True,
+            help="Always sent: SGLang's own default is only 128.",
+        ),
+        click.option(
+            "--thinking/--no-thinking",
+            default=None,
+            help="Thinking mode, mapped to the chat template's switch "
+            "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
+        ),
+        click.option(
+            "--chat-template-kwargs",
+            callback=json_object,
+            default=None,
+            metavar="JSON",
+            help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
+        ),
+        click.option(
+            "--system-prompt", default=None, help="System message for rows that have none."
+        ),
+        click.option(
+            "--max-prompt-tokens",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Longer prompts go to the input DLQ.",
+        ),
+        click.option(
+            "--context-length",
+            type=click.IntRange(min=2),
+            default=None,
+            help="The server's context length (default: from the model's config).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func

@@ -153,7 +153,10 @@ def test_plan_samples_big_inputs_and_scales_up(tmp_path: Path) -> None:
     assert sampled["prompt_tokens"]["total"] == pytest.approx(
         exact["prompt_tokens"]["total"], rel=0.02
     )
-    assert plan_json(str(data), *common, "--sample", "50") == sampled  # seeded
+    again = plan_json(str(data), *common, "--sample", "50")
+    # Seeded: the same sample gives the same plan (free disk space may move meanwhile).
+    del again["disk"]["free_bytes"], sampled["disk"]["free_bytes"]
+    assert again == sampled
     text = run(plan, str(data), *common, "--sample", "50").output
     assert "sampled: 50 of 400 unique prompts tokenized" in text
 
