@@ -110,36 +110,69 @@ def end_attempt(
     ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))
 
 
+def _mark_generated(pipe: redis.client.Pipeline, chunk: Chunk, prompt_id: str) -> None:
+    """Record that a prompt of the chunk is settled (handed off or dead-lettered), so a
+    redelivery of the chunk skips it."""
+    key = keys.chunk_generated(chunk.job, chunk.chunk_id)
+    pipe.sadd(key, prompt_id)
+    pipe.expire(key, CHUNK_STATE_TTL_S)
+
+
+def _dead_letter(
+    ctx: ChunkContext,
+    pipe: redis.client.Pipeline,
+    chunk: Chunk,
+    prompt: ChunkPrompt,
+    *,
+    reason: str,
+    message: str,
+    attempts: int,
+    history: list[dict[str, object]] | None = None,
+    **payload: Any,
+) -> None:
+    """A generate-stage dead letter holding what a requeue needs, settled in `pipe`."""
+    letter = dlq.DeadLetter(
+        entry_id=prompt.id,
+        job=chunk.job,
+        stage="generate",
+        reason=reason,
+        message=message,
+        prompt_id=prompt.id,
+        source=prompt.source,
+        attempts=attempts,
+        payload={
+            "chunk": chunk.chunk_id,
+            "prompt_ids": prompt.prompt_ids,
+            "messages": prompt.messages,
+            "sampling": chunk.sampling,
+            **payload,
+        },
+        history=history or [],
+        worker=ctx.worker,
+    )
+    dlq.put(pipe, letter)
+    _mark_generated(pipe, chunk, prompt.id)
+
+
 def _dead_letter_all(
     ctx: ChunkContext, chunk: Chunk, prompts: list[ChunkPrompt], history: list[dict[str, object]]
 ) -> None:
+    message = (
+        f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
+        "(its worker died, or it failed: see history)"
+    )
     pipe = ctx.redis.pipeline()
     for prompt in prompts:
-        dlq.put(
+        _dead_letter(
+            ctx,
             pipe,
-            dlq.DeadLetter(
-                entry_id=prompt.id,
-                job=chunk.job,
-                stage="generate",
-                reason="poison_chunk",
-                message=(
-                    f"chunk {chunk.chunk_id} was delivered {len(history)} times without "
-                    "finishing (its worker died, or it failed: see history)"
-                ),
-                prompt_id=prompt.id,
-                source=prompt.source,
-                attempts=len(history),
-                payload={
-                    "chunk": chunk.chunk_id,
-                    "prompt_ids": prompt.prompt_ids,
-                    "messages": prompt.messages,
-                    "sampling": chunk.sampling,
-                },
-                history=history,
-                worker=ctx.worker,
-            ),
+            chunk,
+            prompt,
+            reason="poison_chunk",
+            message=message,
+            attempts=len(history),
+            history=history,
         )
-        pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
     pipe.execute()
 
 
@@ -190,8 +223,7 @@ def _hand_off(
     )
     pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
     pipe.xadd(keys.results_stream(chunk.job), generated.to_fields())
-    pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
-    pipe.expire(keys.chunk_generated(chunk.job, chunk.chunk_id), CHUNK_STATE_TTL_S)
+    _mark_generated(pipe, chunk, prompt.id)
     pipe.execute()
     ctx.tokens.add(result.completion_tokens)
     ctx.prompts.add()
@@ -201,29 +233,16 @@ def _reject(
     ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected, attempt: int
 ) -> None:
     pipe = ctx.redis.pipeline()
-    dlq.put(
+    _dead_letter(
+        ctx,
         pipe,
-        dlq.DeadLetter(
-            entry_id=prompt.id,
-            job=chunk.job,
-            stage="generate",
-            reason="rejected_by_server",
-            message=exc.message,
-            prompt_id=prompt.id,
-            source=prompt.source,
-            attempts=attempt + 1,
-            payload={
-                "chunk": chunk.chunk_id,
-                "prompt_ids": prompt.prompt_ids,
-                "messages": prompt.messages,
-                "sampling": chunk.sampling,
-                "server": exc.server,
-            },
-            worker=ctx.worker,
-        ),
+        chunk,
+        prompt,
+        reason="rejected_by_server",
+        message=exc.message,
+        attempts=attempt + 1,
+        server=exc.server,
     )
-    pipe.sadd(keys.chunk_generated(chunk.job, chunk.chunk_id), prompt.id)
-    pipe.expire(keys.chunk_generated(chunk.job, chunk.chunk_id), CHUNK_STATE_TTL_S)
     pipe.execute()
 
 
