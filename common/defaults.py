@@ -43,6 +43,9 @@ VISIBILITY_TIMEOUT_S = 4 * 3600
 # (interval x throttle seconds; env: REGEN_RESTORE_INTERVAL, tests make it small).
 UNACKED_RESTORE_INTERVAL_S = 10
 UNACKED_RESTORE_THROTTLE = 10
+# Most chunks a generate worker holds at once (its threads); within that, flow control
+# holds as many as keep its engine full (consumers/generate/flow.py).
+MAX_CHUNKS_HELD = 64
 # A chunk delivered more times than this (its worker died each time) is dead-lettered.
 MAX_CHUNK_ATTEMPTS = 3
 

@@ -61,13 +61,21 @@ class ChunkContext:
     # Output tokens and prompts handed off, for heartbeats and metrics.
     tokens: RateMeter = field(default_factory=RateMeter)
     prompts: RateMeter = field(default_factory=RateMeter)
+    # Prompts submitted to the engine and not finished; chunks being worked on; the
+    # limit on chunks held that flow control sets (see flow.py).
     inflight: int = 0
+    chunks_held: int = 0
+    chunk_limit: int = 0
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count_inflight(self, delta: int) -> None:
         with self._lock:
             self.inflight += delta
+
+    def count_chunks(self, delta: int) -> None:
+        with self._lock:
+            self.chunks_held += delta
 
     def spec(self, job: str) -> jobspec.JobSpec:
         # A job's spec never changes once stored, so caching it for the process is safe.
@@ -250,6 +258,14 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
     """Raises on an unexpected error, after marking the attempt failed (the task then
     gives the chunk back; past max_attempts failed or dead deliveries it is dead-lettered).
     """
+    ctx.count_chunks(1)
+    try:
+        return _run_chunk(ctx, chunk)
+    finally:
+        ctx.count_chunks(-1)
+
+
+def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
     attempt, history = start_attempt(ctx, chunk)
     done = {m.decode() for m in ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id))}
     todo = [p for p in chunk.prompts if p.id not in done]

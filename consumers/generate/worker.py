@@ -9,19 +9,19 @@ server is not a bad prompt: its chunks wait in the queue for a healthy worker).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery, bootsteps
 
-from common import connection, jobspec
+from common import connection, defaults, jobspec
 from common.celery_app import make_app
 from common.heartbeat import Heartbeat, worker_name
 from common.metrics import generate_metrics
 from consumers.generate.chunk_runner import ChunkContext
 from consumers.generate.engines import EngineOptions, make_engine
+from consumers.generate.flow import make_flow_control
 from consumers.generate.runner import EngineRunner
 from consumers.generate.tasks import register
 
@@ -60,16 +60,6 @@ class QueueState:
     def wanted(self) -> set[str]:
         with self._lock:
             return set(self._queues) if self.healthy else set()
-
-
-def chunks_in_flight(capacity: int, chunk_size: int) -> int:
-    """Chunks to hold so `capacity` prompts stay in flight while chunk tails finish.
-
-    A chunk's prompts finish over time; the slowest holds the chunk open while its freed
-    slots go to the next chunks. Twice the chunks that fill the capacity keeps the engine
-    busy through those tails (bench/generate_utilization.py measures it).
-    """
-    return max(2, 2 * math.ceil(capacity / max(chunk_size, 1)))
 
 
 def make_queue_gate(state: QueueState) -> type[bootsteps.StartStopStep]:
@@ -163,12 +153,17 @@ def run_worker(options: WorkerOptions) -> None:
     state = QueueState(queues)
     if not queues:
         state.set_queues(discover_queues(ctx, options))
-    chunk_size = max([s.chunk_size for s in specs] or [64])
-    concurrency = options.concurrency or chunks_in_flight(engine.capacity(), chunk_size)
+    # Threads bound the chunks held (they only wait on the engine, so they are cheap);
+    # flow control sets how many are held within that, starting from two.
+    concurrency = options.concurrency or defaults.MAX_CHUNKS_HELD
+    initial_chunks = min(concurrency, 2)
 
     app: Celery = make_app(url)
     register(app, ctx)
     app.steps["consumer"].add(make_queue_gate(state))
+    app.steps["consumer"].add(
+        make_flow_control(ctx, engine.capacity, initial=initial_chunks, ceiling=concurrency)
+    )
     watcher = Watcher(options, ctx, state)
     heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))
     metrics = None
@@ -221,6 +216,8 @@ def _snapshot(
         "healthy": state.healthy,
         "queues": sorted(state.wanted()),
         "concurrency": concurrency,
+        "chunks_held": ctx.chunks_held,
+        "chunk_limit": ctx.chunk_limit,
         "engine_stats": stats,
         "inflight": ctx.inflight,
         "tokens_per_s": ctx.tokens.rate(),
