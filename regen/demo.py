@@ -16,20 +16,20 @@ import time
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
 
 import redis
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
-from common import connection, dlq, jobspec, keys
+from common import connection, jobspec
+from common.accounting import count_places
 from common.celery_app import make_app
-from common.queues import queued_chunks
 from producer.enqueue import Enqueuer
 from producer.progress import ProgressDisplay, summary
 from producer.spec import JobOptions, prepare_job
 from regen.demo_report import show_record, show_summary
+from regen.status_snapshot import snapshot
+from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.
 POLL_S = 1.0
@@ -91,76 +91,6 @@ class Workers:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-@dataclass
-class Progress:
-    total: int = 0
-    waiting_chunks: int = 0
-    generated: int = 0
-    committed: int = 0
-    dead: int = 0
-    tokens_per_s: float = 0.0
-
-    @property
-    def accounted(self) -> bool:
-        return self.total > 0 and self.committed + self.dead >= self.total
-
-
-def read_progress(r: redis.Redis, spec: jobspec.JobSpec) -> Progress:
-    job = spec.name
-    pending = sum(len(p.ids) for p in _pending(r, job))
-    dead = sum(
-        1
-        for stage in keys.STAGES
-        for letter in dlq.entries(r, job, stage)
-        if letter.prompt_id is not None
-    )
-    rates = [
-        beat.get("tokens_per_s", 0.0) for beat in _heartbeats(r) if beat.get("kind") == "generate"
-    ]
-    return Progress(
-        total=int(r.scard(keys.job_ids(job))),
-        waiting_chunks=queued_chunks(r, spec.queue),
-        generated=int(r.xlen(keys.results_stream(job))),
-        committed=int(r.hlen(keys.committed(job))) - pending,
-        dead=dead,
-        tokens_per_s=sum(rates),
-    )
-
-
-def _pending(r: redis.Redis, job: str) -> list[Any]:
-    from consumers.tokenize.commit import CommitLedger
-
-    return list(CommitLedger(r, job).pending().values())
-
-
-def _heartbeats(r: redis.Redis) -> list[dict[str, Any]]:
-    import orjson
-
-    return [orjson.loads(raw) for raw in r.hvals(keys.WORKERS)]
-
-
-def _table(job: str, progress: Progress, elapsed: float) -> Table:
-    table = Table(title=f"regen demo: job {job} ({elapsed:.0f} s)")
-    for column in (
-        "prompts",
-        "chunks waiting",
-        "results not yet in shards",
-        "in shards",
-        "dead-lettered",
-        "output tok/s",
-    ):
-        table.add_column(column, justify="right")
-    table.add_row(
-        str(progress.total),
-        str(progress.waiting_chunks),
-        str(progress.generated),
-        str(progress.committed),
-        str(progress.dead),
-        f"{progress.tokens_per_s:.0f}",
-    )
-    return table
 
 
 def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
@@ -226,6 +156,13 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
     return folder
 
 
+def _finished(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
+    """Every prompt of the job is in a shard or a DLQ, and nothing is left in between."""
+    counts = count_places(r, spec)
+    settled = counts.done + counts.dead_lettered + counts.purged
+    return counts.total > 0 and settled == counts.total and counts.in_flight == 0
+
+
 def _watch(
     r: redis.Redis,
     spec: jobspec.JobSpec,
@@ -234,12 +171,12 @@ def _watch(
     started: float,
     timeout_s: float,
 ) -> None:
+    """The live `regen status` of the job until every prompt is accounted for."""
     with Live(console=console, auto_refresh=False) as live:
         while True:
             workers.check()
-            progress = read_progress(r, spec)
-            live.update(_table(spec.name, progress, time.monotonic() - started), refresh=True)
-            if progress.accounted and progress.generated == 0:
+            live.update(render(snapshot(r, spec.name)), refresh=True)
+            if _finished(r, spec):
                 return
             if time.monotonic() - started > timeout_s:
                 raise RuntimeError(f"the demo did not finish within {timeout_s:.0f} s")

@@ -71,6 +71,7 @@ class TokenizeConsumer:
         self._next_claim = 0.0
         self._refused: set[str] = set()
         options.out_dir.mkdir(parents=True, exist_ok=True)
+        self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
 
     # --- jobs ----------------------------------------------------------------------
 
