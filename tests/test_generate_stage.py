@@ -29,10 +29,15 @@ def test_results_are_exactly_the_servers_output(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
-    with run_standin() as server, Worker(redis_url, tmp_path, "--engine", "sglang",
-                                         "--server", server.url, "--jobs", "g"):  # fmt: skip
-        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
-                 timeout=120, what="all chunks generated and acked")  # fmt: skip
+    with (
+        run_standin() as server,
+        Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
+    ):
+        wait_for(
+            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            timeout=120,
+            what="all chunks generated and acked",
+        )
         beats = r.hgetall(keys.WORKERS)
         got = results(r, "g")
         expected = [server_output(server, res.prompt_ids, spec) for res in got]
@@ -53,11 +58,15 @@ def server_output(server: object, prompt_ids: list[int], spec: jobspec.JobSpec) 
 
 def test_transient_failures_are_retried(redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
-    with run_standin(fault=("500:2", "503:3", "drop:2")) as server, Worker(
-        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-    ):  # fmt: skip
-        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
-                 timeout=180, what="all results despite injected faults")  # fmt: skip
+    with (
+        run_standin(fault=("500:2", "503:3", "drop:2")) as server,
+        Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
+    ):
+        wait_for(
+            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            timeout=180,
+            what="all results despite injected faults",
+        )
         stats = server.stats()
     assert dlq.count(r, "g", "generate") == 0
     served = sum(v for k, v in stats.items() if k.startswith("fault_"))
@@ -69,11 +78,15 @@ def test_a_prompt_too_long_for_the_server_is_dead_lettered_alone(
 ) -> None:
     long_prompt = "Please repeat: " + "words " * 400
     spec = enqueue_prompts(redis_url, tmp_path, [*PROMPTS[:5], long_prompt])
-    with run_standin(context_length=300) as server, Worker(
-        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-    ):  # fmt: skip
-        wait_for(lambda: all_acked(r, spec) and len(result_ids(r, "g")) == 5,
-                 timeout=120, what="the chunk to finish")  # fmt: skip
+    with (
+        run_standin(context_length=300) as server,
+        Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
+    ):
+        wait_for(
+            lambda: all_acked(r, spec) and len(result_ids(r, "g")) == 5,
+            timeout=120,
+            what="the chunk to finish",
+        )
     (letter,) = list(dlq.entries(r, "g", "generate"))
     assert letter.reason == "rejected_by_server"
     assert "context length" in letter.message.lower() or "longer" in letter.message.lower()
@@ -85,16 +98,22 @@ def test_a_server_that_dies_and_returns_pauses_the_worker_without_dead_letters(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS * 1 + [p + "?" for p in PROMPTS])
-    with run_standin(decode_tokens_per_s=40) as server, Worker(
-        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-    ) as worker:  # fmt: skip
+    with (
+        run_standin(decode_tokens_per_s=40) as server,
+        Worker(
+            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+        ) as worker,
+    ):
         wait_for(lambda: len(result_ids(r, "g")) >= 2, timeout=120, what="first results")
         server.kill()
         time.sleep(3)  # down for a while: requests in flight fail, new ones must wait
         assert worker.process.poll() is None
         server.restart()
-        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
-                 timeout=240, what="the run to finish after the restart")  # fmt: skip
+        wait_for(
+            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            timeout=240,
+            what="the run to finish after the restart",
+        )
     assert dlq.count(r, "g", "generate") == 0
 
 
@@ -103,16 +122,33 @@ def test_two_servers_share_the_load_and_one_dying_shifts_it(
 ) -> None:
     prompts = [f"Question {i} about rivers" for i in range(40)]
     spec = enqueue_prompts(redis_url, tmp_path, prompts)
-    with run_standin(decode_tokens_per_s=60, max_running_requests=4) as a, run_standin(
-        decode_tokens_per_s=60, max_running_requests=4
-    ) as b, Worker(redis_url, tmp_path, "--engine", "sglang", "--server", a.url,
-                   "--server", b.url, "--max-inflight", "4", "--jobs", "g"):  # fmt: skip
+    with (
+        run_standin(decode_tokens_per_s=60, max_running_requests=4) as a,
+        run_standin(decode_tokens_per_s=60, max_running_requests=4) as b,
+        Worker(
+            redis_url,
+            tmp_path,
+            "--engine",
+            "sglang",
+            "--server",
+            a.url,
+            "--server",
+            b.url,
+            "--max-inflight",
+            "4",
+            "--jobs",
+            "g",
+        ),
+    ):
         wait_for(lambda: len(result_ids(r, "g")) >= 8, timeout=120, what="first results")
         served = {res.server for res in results(r, "g")}
         assert served == {a.url, b.url}, served
         b.kill()
-        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
-                 timeout=240, what="the survivor to finish the job")  # fmt: skip
+        wait_for(
+            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            timeout=240,
+            what="the survivor to finish the job",
+        )
         stats_a = a.stats()
     assert dlq.count(r, "g", "generate") == 0
     assert stats_a["peak_running"] <= 4
@@ -125,30 +161,45 @@ def test_a_worker_killed_mid_chunk_has_its_chunk_redelivered(
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS[:8], chunk_size=8)
     with run_standin(decode_tokens_per_s=30) as server:
-        doomed = Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url,
-                        "--jobs", "g")  # fmt: skip
+        doomed = Worker(
+            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+        )
         wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="a first result")
         doomed.kill()
         assert len(result_ids(r, "g")) < 8, "the chunk finished before the kill"
-        with Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url,
-                    "--jobs", "g"):  # fmt: skip
-            wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
-                     timeout=180, what="the redelivered chunk to finish")  # fmt: skip
+        with Worker(
+            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+        ):
+            wait_for(
+                lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                timeout=180,
+                what="the redelivered chunk to finish",
+            )
     assert dlq.count(r, "g", "generate") == 0
 
 
 def test_a_poison_chunk_is_dead_lettered_after_max_attempts(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
-    spec = enqueue_prompts(redis_url, tmp_path, ["POISON: this prompt kills the engine"],
-                           chunk_size=1)  # fmt: skip
+    spec = enqueue_prompts(
+        redis_url, tmp_path, ["POISON: this prompt kills the engine"], chunk_size=1
+    )
     env = {"REGEN_TEST_POISON": "POISON"}
     deaths = 0
     deadline = time.monotonic() + 240
     while dlq.count(r, "g", "generate") == 0:
         assert time.monotonic() < deadline, "never dead-lettered"
-        worker = Worker(redis_url, tmp_path, "--engine", "tests.poison_engine:make",
-                        "--jobs", "g", "--max-attempts", "3", env=env)  # fmt: skip
+        worker = Worker(
+            redis_url,
+            tmp_path,
+            "--engine",
+            "tests.poison_engine:make",
+            "--jobs",
+            "g",
+            "--max-attempts",
+            "3",
+            env=env,
+        )
         while worker.process.poll() is None and dlq.count(r, "g", "generate") == 0:
             time.sleep(0.1)
         deaths += worker.process.returncode is not None and worker.process.returncode < 0
@@ -163,16 +214,55 @@ def test_a_long_outage_gives_chunks_back_without_spending_attempts(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS[:8], chunk_size=4)
-    with run_standin(decode_tokens_per_s=20) as server, Worker(
-        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g",
-        "--max-attempts", "1",
-    ) as worker:  # fmt: skip
+    with (
+        run_standin(decode_tokens_per_s=20) as server,
+        Worker(
+            redis_url,
+            tmp_path,
+            "--engine",
+            "sglang",
+            "--server",
+            server.url,
+            "--jobs",
+            "g",
+            "--max-attempts",
+            "1",
+        ) as worker,
+    ):
         wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="first results")
         server.kill()
         # Longer than the give-back point (3/4 of the visibility timeout).
         wait_for(lambda: "giving it back" in worker.log(), timeout=60, what="a chunk given back")
         server.restart()
-        wait_for(lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
-                 timeout=240, what="the run to finish after the outage")  # fmt: skip
+        wait_for(
+            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            timeout=240,
+            what="the run to finish after the outage",
+        )
     # With --max-attempts 1 any counted failure would have dead-lettered the chunk.
+    assert dlq.count(r, "g", "generate") == 0
+
+
+def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS, chunk_size=4)
+    with run_standin(decode_tokens_per_s=40) as server:
+        worker = Worker(
+            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+        )
+        wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="first results")
+        worker.stop()  # SIGTERM: stop taking chunks, finish (or return) those held
+        assert worker.process.returncode == 0, worker.log()
+        assert r.hlen("unacked") == 0, "a held chunk was neither finished nor returned"
+        finished = result_ids(r, "g")
+        assert finished and finished < enqueued_ids(r, "g"), "it kept taking chunks"
+        with Worker(
+            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
+        ):
+            wait_for(
+                lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                timeout=180,
+                what="the rest after the restart",
+            )
     assert dlq.count(r, "g", "generate") == 0
