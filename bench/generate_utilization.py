@@ -33,7 +33,7 @@ from tests.sglang_standin.process import run_standin
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=128, help="server running slots")
-    parser.add_argument("--prompts", type=int, default=3000)
+    parser.add_argument("--prompts", type=int, default=6000)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument(
         "--decode-tokens-per-s",

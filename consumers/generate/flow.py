@@ -4,8 +4,9 @@ A chunk's prompts finish over time and its slowest one holds it open; with a lon
 spread of answer lengths most held chunks are mostly done. A fixed number of chunks
 therefore either starves the server (tails) or hoards the queue. Instead the worker
 watches its outstanding prompts (submitted, not finished) against the engine's
-capacity and moves Celery's prefetch limit one chunk at a time: up while fewer prompts
-are outstanding than the engine has slots, down while more than twice as many are.
+capacity and moves Celery's prefetch limit: up by the chunks that would fill the
+engine's free slots while fewer prompts are outstanding than it has slots, down one
+chunk at a time while more than twice as many are.
 bench/generate_utilization.py measures the result.
 """
 
@@ -22,23 +23,29 @@ from consumers.generate.chunk_runner import ChunkContext
 log = logging.getLogger("regen.generate")
 
 ADJUST_INTERVAL_S = 0.5
-# Outstanding prompts are kept between LOW and HIGH times the engine's capacity.
-LOW, HIGH = 1.0, 2.0
+# Outstanding prompts are kept between LOW and HIGH times the engine's capacity: above
+# 1, so prompts wait in the worker for each slot that frees (a chunk takes a moment to
+# arrive), and a HIGH well above LOW, so the limit does not oscillate.
+LOW, HIGH = 1.5, 3.0
 
 
-def chunk_limit_change(outstanding: int, capacity: int, held: int, limit: int) -> int:
-    """+1, -1 or 0: how to move the limit on chunks held (`limit`, now holding `held`)."""
+def chunk_limit_change(
+    outstanding: int, capacity: int, held: int, limit: int, chunk_size: int = 1
+) -> int:
+    """How to move the limit on chunks held (`limit`, now holding `held`): up by the
+    chunks that cover the shortfall (a fast ramp at start), down by one."""
     if capacity <= 0:
         return 0  # no healthy server: the queue gate has stopped consumption anyway
-    if outstanding < capacity * LOW and held >= limit:
-        return 1
+    shortfall = capacity * LOW - outstanding
+    if shortfall > 0 and held >= limit:
+        return max(1, int(shortfall // max(chunk_size, 1)))
     if outstanding > capacity * HIGH and limit > 1:
         return -1
     return 0
 
 
 def make_flow_control(
-    ctx: ChunkContext, capacity: Callable[[], int], initial: int, ceiling: int
+    ctx: ChunkContext, capacity: Callable[[], int], initial: int, ceiling: int, chunk_size: int
 ) -> type[bootsteps.StartStopStep]:
     class FlowControl(bootsteps.StartStopStep):
         """Moves the consumer's prefetch limit on its own loop (kombu is not thread-safe)."""
@@ -53,9 +60,11 @@ def make_flow_control(
 
         def adjust(self, consumer: Any) -> None:
             qos = consumer.qos
-            step = chunk_limit_change(ctx.inflight, capacity(), ctx.chunks_held, qos.value)
-            if step > 0 and qos.value < ceiling:
-                qos.increment_eventually()
+            step = chunk_limit_change(
+                ctx.inflight, capacity(), ctx.chunks_held, qos.value, chunk_size
+            )
+            if step > 0:
+                qos.increment_eventually(min(step, ceiling - qos.value))
             elif step < 0:
                 qos.decrement_eventually()
             ctx.chunk_limit = qos.value

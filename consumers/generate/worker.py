@@ -161,8 +161,11 @@ def run_worker(options: WorkerOptions) -> None:
     app: Celery = make_app(url)
     register(app, ctx)
     app.steps["consumer"].add(make_queue_gate(state))
+    chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
     app.steps["consumer"].add(
-        make_flow_control(ctx, engine.capacity, initial=initial_chunks, ceiling=concurrency)
+        make_flow_control(
+            ctx, engine.capacity, initial=initial_chunks, ceiling=concurrency, chunk_size=chunk_size
+        )
     )
     watcher = Watcher(options, ctx, state)
     heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))

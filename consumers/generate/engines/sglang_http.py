@@ -14,7 +14,7 @@ import random
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from common import defaults
@@ -81,24 +81,26 @@ class SGLangHTTPEngine:
             backoff_max_s=backoff_max_s,
         )
         self._health_path = health_path
-        self._health_timeout_s = health_timeout_s
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
         self._max_bad_answers = max_bad_answers
         self._give_up_after_s = give_up_after_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s, pool=None),
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=max_inflight_per_server * len(servers),
-                keepalive_expiry=keepalive_expiry_s,
-            ),
-            # Inference servers sit on private networks; an HTTP(S)_PROXY meant for the
-            # internet must not silently capture every request.
-            trust_env=False,
+        # A read timeout, which bounds a whole attempt because SGLang sends nothing
+        # until the completion is done; total=None replaces aiohttp's default 300 s cap.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=request_timeout_s
         )
+        self._health_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=health_timeout_s, sock_read=health_timeout_s
+        )
+        self._keepalive_expiry_s = keepalive_expiry_s
+        # Credentials from a server's URL win over the API key. Both travel as headers
+        # because aiohttp refuses an auth argument next to an Authorization header.
+        bearer = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._auth_headers = {
+            s: {"Authorization": s.auth.encode()} if s.auth else bearer for s in self._pool.servers
+        }
+        self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> SGLangHTTPEngine:
         return self
@@ -168,7 +170,9 @@ class SGLangHTTPEngine:
 
     async def close(self) -> None:
         await self._pool.close()
-        await self._client.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     # --- helpers for the worker ----------------------------------------------------------
     def healthy_servers(self) -> list[str]:
@@ -184,19 +188,40 @@ class SGLangHTTPEngine:
         self, server: ServerState, request: GenerateRequest, rid: str
     ) -> GenerateResult:
         body = {"input_ids": request.prompt_ids, "sampling_params": request.sampling, "rid": rid}
+        headers = {**self._auth_headers[server], "Content-Type": "application/json"}
         started = time.monotonic()
         try:
-            response = await self._client.post(
-                server.url + "/generate",
-                auth=server.auth or httpx.USE_CLIENT_DEFAULT,
-                content=orjson.dumps(body),
-                headers={"Content-Type": "application/json"},
-            )
-        except httpx.TransportError as exc:
+            async with self._session().post(
+                server.url + "/generate", data=orjson.dumps(body), headers=headers
+            ) as response:
+                status, payload = response.status, await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise transport_failure(exc) from None
-        if response.status_code == 200:
-            return parse_result(response.content, request, server.label, started)
-        raise classify_error(response, server.label)
+        # Requests are logged here, by label, so credentials never reach a log line.
+        log.debug("HTTP Request: POST %s/generate %d", server.label, status)
+        if status == 200:
+            return parse_result(payload, request, server.label, started)
+        raise classify_error(status, payload, server.label)
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The HTTP session, made on first use: aiohttp binds it to the running loop, and
+        the engine is built before its loop runs (consumers/generate/runner.py)."""
+        if self._http is None:
+            connector = aiohttp.TCPConnector(
+                # No connection cap: the pool already bounds requests per server, and a
+                # cap would only make health probes queue behind generations.
+                limit=0,
+                limit_per_host=0,
+                keepalive_timeout=self._keepalive_expiry_s,
+            )
+            self._http = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._timeout,
+                # Inference servers sit on private networks; an HTTP(S)_PROXY meant for
+                # the internet must not silently capture every request.
+                trust_env=False,
+            )
+        return self._http
 
     def _note(self, server: ServerState, failure: Failure) -> None:
         if failure.kind == "overloaded":
@@ -219,14 +244,15 @@ class SGLangHTTPEngine:
 
     async def _probe(self, server: ServerState) -> bool:
         try:
-            response = await self._client.get(
+            async with self._session().get(
                 server.url + self._health_path,
-                auth=server.auth or httpx.USE_CLIENT_DEFAULT,
-                timeout=self._health_timeout_s,
-            )
-        except httpx.HTTPError:
+                headers=self._auth_headers[server],
+                timeout=self._health_timeout,
+            ) as response:
+                await response.read()  # so the connection goes back to the pool
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
-        return response.status_code == 200
 
     def _describe(self) -> str:
         return "; ".join(f"{s.label}: {s.last_error or 'no error'}" for s in self._pool.servers)

@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+from yarl import URL
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +41,22 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         waiter.cancel()
 
 
-def split_credentials(url: str) -> tuple[str, str, httpx.BasicAuth | None]:
+def split_credentials(url: str) -> tuple[str, str, aiohttp.BasicAuth | None]:
     """(URL to request, label for logs and stats, auth) for a server URL.
 
-    Credentials move out of the URL into an auth object, because httpx logs request
-    URLs in full; the label also drops the query, where API keys tend to hide.
+    Credentials move out of the URL into an auth object, because HTTP clients put the
+    request URL in exception messages; the label also drops the query, where API keys
+    tend to hide.
     """
-    parsed = httpx.URL(url.rstrip("/"))
-    if not parsed.userinfo:
-        return str(parsed), str(parsed.copy_with(query=None, fragment=None)), None
-    auth = httpx.BasicAuth(parsed.username, parsed.password)
-    label = parsed.copy_with(userinfo=b"***", query=None, fragment=None)
-    return str(parsed.copy_with(userinfo=b"")), str(label), auth
+    parsed = URL(url.rstrip("/"))
+    bare = parsed.with_user(None)  # drops the password too
+    label = str(bare.with_query(None).with_fragment(None))
+    if parsed.user is None and parsed.password is None:
+        return str(bare), label, None
+    # UTF-8, not aiohttp's Latin-1 default: what the credentials' percent-escapes mean.
+    auth = aiohttp.BasicAuth(parsed.user or "", parsed.password or "", encoding="utf-8")
+    scheme, _, rest = label.partition("://")
+    return str(bare), f"{scheme}://***@{rest}", auth
 
 
 @dataclass(eq=False)
@@ -59,7 +64,7 @@ class ServerState:
     url: str
     label: str
     cap: int
-    auth: httpx.BasicAuth | None = None
+    auth: aiohttp.BasicAuth | None = None
     healthy: bool = False
     probed: bool = False
     inflight: int = 0

@@ -10,7 +10,7 @@ Failures are sorted by what they say about the *server*:
 | 503 / 429 (queue full)                           | overloaded    | back off | retry     |
 | refused, connect timeout                         | connect       | down     | retry     |
 | 502 / 504 from a proxy in front                  | gateway       | down     | retry     |
-| reset, closed without a response                 | disconnect    | down (*) | retry     |
+| reset, closed before a full response             | disconnect    | down (*) | retry     |
 | read timeout (request_timeout_s)                 | timeout       | down     | retry     |
 | 500 and other 5xx                                | server_error  | down     | bounded   |
 | 200 without output_ids, aborted, or other 4xx    | bad_response  | down     | bounded   |
@@ -27,10 +27,12 @@ that hits one prompt cannot pin a slot forever.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from http import HTTPStatus
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
@@ -48,20 +50,22 @@ class Failure(Exception):
         self.kind, self.message, self.down, self.bad = kind, message, down, bad
 
 
-def transport_failure(exc: httpx.TransportError) -> Failure:
+def transport_failure(exc: aiohttp.ClientError | asyncio.TimeoutError) -> Failure:
     """No reply at all: refused, timed out, or the connection closed under us."""
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+    # ConnectionTimeoutError is also a TimeoutError: test for it before the read timeout.
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return Failure("connect", message, down=True)
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, asyncio.TimeoutError):  # sock_read: request_timeout_s passed
         return Failure("timeout", message, down=True)
-    return Failure("disconnect", message, down=True)  # reset, closed without a response
+    # ServerDisconnectedError, reset (ClientOSError), truncated body (ClientPayloadError),
+    # or a reply that is not HTTP.
+    return Failure("disconnect", message, down=True)
 
 
-def classify_error(response: httpx.Response, server: str) -> Failure | PromptRejected:
+def classify_error(status: int, body: bytes, server: str) -> Failure | PromptRejected:
     """The exception for a non-200 reply (returned, for the caller to raise)."""
-    status = response.status_code
-    message = error_message(response)
+    message = error_message(status, body)
     if status in REJECT_STATUSES:
         if "Duplicate request ID" in message:
             return Failure("duplicate_rid", message, bad=True)
@@ -114,17 +118,25 @@ def result_from_reply(
     return result
 
 
-def error_message(response: httpx.Response) -> str:
+def error_message(status: int, body: bytes) -> str:
     """SGLang's error bodies: {"error": {"message"}}, {"error": str}, {"message"} or text."""
     try:
-        body = orjson.loads(response.content)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
+        return body.decode("utf-8", "replace")[:500] or reason_phrase(status)
+    if isinstance(data, dict):
+        error = data.get("error")
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        for value in (error, body.get("message"), body.get("detail")):
+        for value in (error, data.get("message"), data.get("detail")):
             if value:
                 return str(value)
-    return str(body)[:500]
+    return str(data)[:500]
+
+
+def reason_phrase(status: int) -> str:
+    """The standard phrase for a status (an empty body's message), "" for unknown ones."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
