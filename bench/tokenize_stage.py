@@ -47,7 +47,7 @@ def long_answer(tokens: int, tok: object, seed: int) -> str:
 def run(records: int, completion_tokens: int, drift: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp_name, running_redis(Path(tmp_name) / "r") as srv:
         r = redis.Redis.from_url(srv.url)
-        prepared = prepare_job(JobOptions(job="bench", model="smollm2", max_new_tokens=8192))
+        prepared = prepare_job(JobOptions(job="bench", model="smollm2", max_new_tokens=4096))
         spec = jobspec.save(r, prepared.spec)
         tok = prepared.tokenizer
         templates = [
