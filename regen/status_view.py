@@ -100,8 +100,11 @@ def _servers(worker: dict[str, Any]) -> Text:
     for i, server in enumerate(servers):
         ok = server.get("healthy")
         text.append(", " if i else "")
-        text.append(f"{server.get('url')} ", style="" if ok else "red")
-        text.append("up" if ok else "DOWN", style="green" if ok else "bold red")
+        if not server.get("probed", True):  # no health answer yet: not known to be down
+            text.append(f"{server.get('url')} probing", style="yellow")
+        else:
+            text.append(f"{server.get('url')} ", style="" if ok else "red")
+            text.append("up" if ok else "DOWN", style="green" if ok else "bold red")
         text.append(f" {server.get('inflight', 0)}")
     return text
 

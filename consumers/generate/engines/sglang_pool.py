@@ -86,6 +86,7 @@ class ServerState:
         return {
             "url": self.label,
             "healthy": self.healthy,
+            "probed": self.probed,
             "inflight": self.inflight,
             "completed": self.completed,
             "failures_by_kind": dict(self.failures),
