@@ -126,7 +126,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
     common_args = ["--redis-url", url, "--jobs", job]
     engine_args = ["--engine", options.engine]
     if options.engine == "local":
-        engine_args += ["--model", options.model, "--max-inflight", "8"]
+        engine_args += ["--model", options.model]
     for server in options.servers:
         engine_args += ["--server", server]
     started = time.monotonic()
