@@ -17,7 +17,8 @@ from consumers.generate.engine import (
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.engines.local import LocalEngine, _dequantized_copy
+from consumers.generate.engines.local import LocalEngine
+from consumers.generate.engines.local_model import dequantized_copy
 
 pytestmark = pytest.mark.slow
 
@@ -208,7 +209,7 @@ def test_engines_share_one_model_and_a_closed_engine_refuses_work(
 def test_dequantized_weights_cache_is_exact(engine: LocalEngine) -> None:
     cache_dir = engine._load_args[-1]
     assert isinstance(cache_dir, Path)
-    entry = _dequantized_copy(engine.ref, cache_dir)  # a hit: built when the engine loaded
+    entry = dequantized_copy(engine.ref, cache_dir)  # a hit: built when the engine loaded
     assert entry is not None and (entry / "regen-cache.json").is_file()
     from transformers import AutoModelForCausalLM
 

@@ -28,14 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import queue
 import random
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -43,57 +39,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import (
-    AutoModelForCausalLM,
     GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    StoppingCriteria,
     StoppingCriteriaList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from common import defaults
-from common.tokenizer import ModelRef, load_tokenizer, resolve_model
+from common.tokenizer import resolve_model
 from consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
+from consumers.generate.engines.local_model import LoadedModel, shared_model
+from consumers.generate.engines.local_sampling import (
+    HONOURED,
+    NEUTRAL,
+    SAMPLING_DEFAULTS,
+    SGLANG_MAX_NEW_TOKENS,
+    BatchKey,
+    RowStop,
+    logits_processors,
+)
 
 log = logging.getLogger(__name__)
-
-SGLANG_MAX_NEW_TOKENS = 128
-# SGLang's values for what neither the request nor the model's generation_config sets.
-_DEFAULTS: dict[str, float] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-}  # fmt: skip
-_HONOURED = {"max_new_tokens", "stop_token_ids", "ignore_eos", "seed", "sampling_seed",
-             "skip_special_tokens", "no_stop_trim", *_DEFAULTS}  # fmt: skip
-# SGLang parameters accepted only at their neutral value: anything else would be ignored.
-_NEUTRAL: dict[str, Any] = {
-    "stop": None, "stop_regex": None, "frequency_penalty": 0, "presence_penalty": 0,
-    "min_new_tokens": 0, "n": 1, "regex": None, "json_schema": None, "ebnf": None,
-    "logit_bias": None, "spaces_between_special_tokens": True,
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Key:
-    """What a batch shares: every sampling setting but max_new_tokens and the seed."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    stop_ids: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -102,22 +72,12 @@ class _Job:
     future: asyncio.Future[GenerateResult]
     loop: asyncio.AbstractEventLoop
     enqueued: float
-    key: _Key | None = None
+    key: BatchKey | None = None
     max_new: int = 0
     seed: int | None = None
     skip_special: bool = True
     trim_stop: bool = True
     started: bool = False
-
-
-@dataclass(frozen=True)
-class _Loaded:
-    model: Any
-    tokenizer: Any
-    eos_ids: frozenset[int]
-    defaults: dict[str, float]
-    context_len: int | None
-    vocab_size: int
 
 
 class LocalEngine:
@@ -161,7 +121,7 @@ class LocalEngine:
         home = Path(os.environ.get("REGEN_HOME", defaults.HOME))
         weights_cache = Path(cache_dir or home / "cache" / "models") if cache else None
         self._load_args = (self.ref, str(self.device), self.dtype, trust_remote_code, weights_cache)
-        self._loaded: _Loaded | None = None
+        self._loaded: LoadedModel | None = None
         self._load_error: Exception | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._backlog: list[_Job] = []  # admitted, waiting for a batch; worker thread only
@@ -229,7 +189,7 @@ class LocalEngine:
 
     def _serve(self) -> None:
         try:
-            self._loaded = _shared_model(*self._load_args)
+            self._loaded = shared_model(*self._load_args)
         except Exception as exc:  # kept: every request is answered with it
             log.exception("loading %s failed", self.model)
             self._load_error = exc
@@ -309,16 +269,16 @@ class LocalEngine:
         """Check a request like SGLang's SamplingParams.verify (same messages) and set up job."""
         assert self._loaded is not None
         m, s, prompt = self._loaded, job.request.sampling, job.request.prompt_ids
-        unknown = sorted(set(s) - _HONOURED - set(_NEUTRAL))
+        unknown = sorted(set(s) - HONOURED - set(NEUTRAL))
         empty: tuple[Any, ...] = (None, "", [], {})
-        unsupported = sorted(k for k, v in _NEUTRAL.items() if s.get(k) not in (v, *empty))
+        unsupported = sorted(k for k, v in NEUTRAL.items() if s.get(k) not in (v, *empty))
         if unknown or unsupported:
             what = f"unknown {unknown}" if unknown else f"unsupported {unsupported}"
             raise PromptRejected(f"sampling parameters: {what} (local engine)")
 
         def get(name: str) -> Any:
             value = s.get(name)
-            return m.defaults.get(name, _DEFAULTS[name]) if value is None else value
+            return m.defaults.get(name, SAMPLING_DEFAULTS[name]) if value is None else value
 
         try:
             max_new = s.get("max_new_tokens")
@@ -357,9 +317,9 @@ class LocalEngine:
             )
         stop_ids = () if s.get("ignore_eos") else tuple(sorted(m.eos_ids | stops))
         if temperature < 1e-6:  # greedy (SGLang: top_k=1), so the other knobs are moot
-            job.key = _Key(0.0, 1.0, -1, 0.0, penalty, stop_ids)
+            job.key = BatchKey(0.0, 1.0, -1, 0.0, penalty, stop_ids)
         else:
-            job.key = _Key(temperature, top_p, top_k, min_p, penalty, stop_ids)
+            job.key = BatchKey(temperature, top_p, top_k, min_p, penalty, stop_ids)
             job.seed = seeds[0] if seeds else random.getrandbits(63)
         job.skip_special = s.get("skip_special_tokens") is not False
         job.trim_stop = not s.get("no_stop_trim")
@@ -385,9 +345,9 @@ class LocalEngine:
                     input_ids=ids, attention_mask=mask,
                     generation_config=GenerationConfig(max_new_tokens=max(j.max_new for j in jobs),
                                                        do_sample=False),
-                    logits_processor=_processors(key, jobs, dev),
+                    logits_processor=logits_processors(key, [job.seed or 0 for job in jobs], dev),
                     stopping_criteria=StoppingCriteriaList(
-                        [_RowStop(stop_ids, limits, width, self._abort)]),
+                        [RowStop(stop_ids, limits, width, self._abort)]),
                 )  # fmt: skip
         finally:
             self._running = 0
@@ -433,148 +393,3 @@ def _settle(job: _Job, outcome: GenerateResult | Exception) -> None:
 
     with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
         job.loop.call_soon_threadsafe(apply)
-
-
-# --- sampling and stopping inside model.generate ------------------------------------------
-
-
-def _processors(key: _Key, jobs: list[_Job], device: torch.device) -> LogitsProcessorList:
-    # Passed in explicitly: with do_sample=False (the draw is _RowSampler's, generate()
-    # only takes the argmax) generate() would add no warpers of its own.
-    procs = LogitsProcessorList()
-    if key.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(key.repetition_penalty))
-    if key.temperature == 0.0:
-        return procs
-    procs.append(TemperatureLogitsWarper(key.temperature))
-    if key.top_k > 0:
-        procs.append(TopKLogitsWarper(key.top_k))
-    if key.top_p < 1.0:
-        procs.append(TopPLogitsWarper(key.top_p))
-    if key.min_p > 0.0:
-        procs.append(MinPLogitsWarper(key.min_p))
-    procs.append(_RowSampler([job.seed or 0 for job in jobs], device))
-    return procs
-
-
-class _RowSampler(LogitsProcessor):
-    """Samples every row with its own seeded generator; generate() then takes the argmax.
-
-    argmax(logits - log E) with E ~ Exp(1) is an exact draw from softmax(logits) (the
-    exponential race SGLang and vLLM sample with); tokens filtered to -inf stay out.
-    """
-
-    def __init__(self, seeds: list[int], device: torch.device) -> None:
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        vocab = scores.shape[-1]
-        noise = torch.stack(
-            [scores.new_empty(vocab).exponential_(generator=g) for g in self.generators]
-        )
-        return scores - noise.log()
-
-
-class _RowStop(StoppingCriteria):
-    """Ends each row at a stop token or at its own max_new_tokens; every row on close."""
-
-    def __init__(
-        self, stop_ids: torch.Tensor, limits: torch.Tensor, width: int, abort: threading.Event
-    ) -> None:
-        self.stop_ids, self.limits, self.width, self.abort = stop_ids, limits, width, abort
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        if self.abort.is_set():
-            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        done = (input_ids.shape[1] - self.width) >= self.limits
-        return done | torch.isin(input_ids[:, -1], self.stop_ids)
-
-
-# --- loading, once per process --------------------------------------------------------------
-
-_MODELS: dict[tuple[Any, ...], _Loaded] = {}
-_MODELS_LOCK = threading.Lock()
-
-
-def _shared_model(
-    ref: ModelRef, device: str, dtype: torch.dtype, trust_remote_code: bool,
-    weights_cache: Path | None,
-) -> _Loaded:  # fmt: skip
-    key = (ref.path, device, dtype, trust_remote_code)
-    # Held while loading, so a second engine waits for the first load instead of repeating it.
-    with _MODELS_LOCK:
-        if key not in _MODELS:
-            tokenizer = load_tokenizer(ref.spec, trust_remote_code=trust_remote_code)
-            _MODELS[key] = _load(ref, tokenizer, device, dtype, trust_remote_code, weights_cache)
-        return _MODELS[key]
-
-
-def _load(
-    ref: ModelRef, tokenizer: Any, device: str, dtype: torch.dtype, trust_remote_code: bool,
-    weights_cache: Path | None,
-) -> _Loaded:  # fmt: skip
-    started = time.monotonic()
-    source, gguf_file = str(ref.folder), ref.gguf_file
-    if gguf_file and weights_cache is not None:
-        cached = _dequantized_copy(ref, weights_cache)
-        if cached is not None:
-            source, gguf_file = str(cached), None
-    model = AutoModelForCausalLM.from_pretrained(
-        source, gguf_file=gguf_file, dtype=dtype, device_map=device, local_files_only=True,
-        trust_remote_code=trust_remote_code,
-    ).eval()  # fmt: skip
-    generation, config = model.generation_config, model.config.get_text_config()
-    eos = {tokenizer.eos_token_id} - {None}
-    for ids in (generation.eos_token_id, config.eos_token_id):  # SGLang stops on all of them
-        eos.update([ids] if isinstance(ids, int) else ids or [])
-    found = {k: getattr(generation, k, None) for k in _DEFAULTS}
-    # generate() would lay generation_config over what each request asks for; its sampling
-    # defaults were just read, so leave it nothing to add.
-    model.generation_config = GenerationConfig()
-    context = next((v for k in ("max_position_embeddings", "n_positions", "seq_length")
-                    if isinstance(v := getattr(config, k, None), int)), None)  # fmt: skip
-    log.info("loaded %s on %s in %.1f s", ref.path, device, time.monotonic() - started)
-    return _Loaded(
-        model=model, tokenizer=tokenizer, eos_ids=frozenset(eos),
-        defaults={k: v for k, v in found.items() if v is not None}, context_len=context,
-        vocab_size=model.get_input_embeddings().num_embeddings,
-    )  # fmt: skip
-
-
-def _dequantized_copy(ref: ModelRef, cache_dir: Path) -> Path | None:
-    """The GGUF's de-quantized weights as a safetensors folder, built on first use.
-
-    Keyed by file, size, mtime and transformers version (the de-quantizer is its code).
-    A new entry is reloaded and compared tensor by tensor, then renamed into place, so
-    readers never see half an entry. Failures only cost the speed-up.
-    """
-    stat = ref.path.stat()
-    raw = f"{ref.path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    entry = cache_dir / f"{ref.path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
-    marker = entry / "regen-cache.json"
-    if marker.is_file():
-        return entry
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-"))
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(ref.folder), gguf_file=ref.gguf_file, local_files_only=True
-            )
-            # transformers flags GGUF models as quantized and refuses to save them, yet
-            # once loaded they hold plain de-quantized tensors.
-            model.hf_quantizer = None  # type: ignore[assignment]
-            del model.config.quantization_config
-            model.save_pretrained(tmp)
-            want = model.state_dict()
-            got = AutoModelForCausalLM.from_pretrained(str(tmp), local_files_only=True).state_dict()
-            if want.keys() != got.keys() or not all(torch.equal(want[k], got[k]) for k in want):
-                log.warning("not caching %s: the saved weights differ", ref.path)
-                return None
-            (tmp / marker.name).write_text(json.dumps({"source": raw}), encoding="utf-8")
-            os.replace(tmp, entry)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except Exception as exc:  # e.g. a full disk, or another process renamed its copy first
-        log.warning("could not cache the weights of %s: %s", ref.path, exc)
-    return entry if marker.is_file() else None
