@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -15,6 +16,8 @@ import orjson
 import redis
 
 from common import defaults, keys
+
+log = logging.getLogger("regen.heartbeat")
 
 
 class RateMeter:
@@ -88,8 +91,8 @@ class Heartbeat(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self.beat()
-            except Exception as exc:  # a heartbeat error must never stop the worker
-                print(f"regen: heartbeat failed: {exc!r}")
+            except Exception:  # a heartbeat error must never stop the worker
+                log.exception("heartbeat failed")
             self._stop_event.wait(self._interval_s)
 
     def stop(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from common import connection, defaults, jobspec
-from regen.options import redis_url_option, target_options
+from regen.options import prepare_job_or_fail, redis_url_option, target_options
 
 
 @click.command()
@@ -75,7 +75,7 @@ def enqueue(
     from common.celery_app import make_app
     from producer.enqueue import Enqueuer, expand_datasets
     from producer.progress import ProgressDisplay, summary
-    from producer.spec import JobOptions, prepare_job
+    from producer.spec import JobOptions
 
     options = JobOptions(
         job=job,
@@ -95,10 +95,7 @@ def enqueue(
         context_length=context_length,
         queue=queue,
     )
-    try:
-        prepared = prepare_job(options)
-    except (ValueError, jobspec.JobSpecError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    prepared = prepare_job_or_fail(options)
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
     try:

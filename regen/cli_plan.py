@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 import orjson
 
-from common import defaults, jobspec
-from regen.options import json_object, target_options
+from common import defaults
+from regen.options import json_object, prepare_job_or_fail, target_options
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
@@ -85,7 +85,7 @@ def plan(
     from producer import plan as planning
     from producer.enqueue import expand_datasets
     from producer.prompt_scan import DEFAULT_SAMPLE
-    from producer.spec import JobOptions, prepare_job
+    from producer.spec import JobOptions
 
     options = JobOptions(
         job=job,
@@ -99,10 +99,7 @@ def plan(
         max_prompt_tokens=max_prompt_tokens,
         context_length=context_length,
     )
-    try:
-        prepared = prepare_job(options)
-    except (ValueError, jobspec.JobSpecError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    prepared = prepare_job_or_fail(options)
     result = planning.build_plan(
         expand_datasets(list(datasets)),
         prepared,

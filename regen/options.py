@@ -37,6 +37,17 @@ def json_object(ctx: click.Context, param: click.Parameter, value: str | None) -
     return parsed
 
 
+def prepare_job_or_fail(options: Any) -> Any:
+    """`producer.spec.prepare_job`, its refusals shown as a command-line error."""
+    from common.jobspec import JobSpecError
+    from producer.spec import prepare_job
+
+    try:
+        return prepare_job(options)
+    except (ValueError, JobSpecError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def target_options(func: F) -> F:
     """What decides the prompt ids the server gets: the model, its tokenizer and chat
     template settings, and the limits on prompts. `enqueue` and `plan` share them, so a

@@ -95,3 +95,8 @@ def all_acked(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
 
 def enqueued_ids(r: redis.Redis, job: str) -> set[str]:
     return {m.decode() for m in r.smembers(keys.job_ids(job))}
+
+
+def all_generated(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
+    """Every enqueued prompt has a result and every chunk is acknowledged."""
+    return result_ids(r, spec.name) == enqueued_ids(r, spec.name) and all_acked(r, spec)

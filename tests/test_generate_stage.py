@@ -12,6 +12,7 @@ from common import dlq, jobspec, keys
 from tests.generate_harness import (
     Worker,
     all_acked,
+    all_generated,
     enqueue_prompts,
     enqueued_ids,
     result_ids,
@@ -34,7 +35,7 @@ def test_results_are_exactly_the_servers_output(
         Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
     ):
         wait_for(
-            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            lambda: all_generated(r, spec),
             timeout=120,
             what="all chunks generated and acked",
         )
@@ -63,7 +64,7 @@ def test_transient_failures_are_retried(redis_url: str, r: redis.Redis, tmp_path
         Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
     ):
         wait_for(
-            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            lambda: all_generated(r, spec),
             timeout=180,
             what="all results despite injected faults",
         )
@@ -110,7 +111,7 @@ def test_a_server_that_dies_and_returns_pauses_the_worker_without_dead_letters(
         assert worker.process.poll() is None
         server.restart()
         wait_for(
-            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            lambda: all_generated(r, spec),
             timeout=240,
             what="the run to finish after the restart",
         )
@@ -145,7 +146,7 @@ def test_two_servers_share_the_load_and_one_dying_shifts_it(
         assert served == {a.url, b.url}, served
         b.kill()
         wait_for(
-            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            lambda: all_generated(r, spec),
             timeout=240,
             what="the survivor to finish the job",
         )
@@ -171,7 +172,7 @@ def test_a_worker_killed_mid_chunk_has_its_chunk_redelivered(
             redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
         ):
             wait_for(
-                lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                lambda: all_generated(r, spec),
                 timeout=180,
                 what="the redelivered chunk to finish",
             )
@@ -235,7 +236,7 @@ def test_a_long_outage_gives_chunks_back_without_spending_attempts(
         wait_for(lambda: "giving it back" in worker.log(), timeout=60, what="a chunk given back")
         server.restart()
         wait_for(
-            lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+            lambda: all_generated(r, spec),
             timeout=240,
             what="the run to finish after the outage",
         )
@@ -261,7 +262,7 @@ def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
             redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
         ):
             wait_for(
-                lambda: result_ids(r, "g") == enqueued_ids(r, "g") and all_acked(r, spec),
+                lambda: all_generated(r, spec),
                 timeout=180,
                 what="the rest after the restart",
             )
