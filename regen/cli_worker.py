@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from common import defaults
 from consumers.generate.engines import BUILTIN, EngineOptions
-from regen.options import F, redis_url_option
+from regen.options import F, json_object, redis_url_option
 
 
 def _csv(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
@@ -52,9 +54,12 @@ def worker_group() -> None:
 @click.option(
     "--max-inflight",
     type=click.IntRange(min=1),
-    default=defaults.MAX_INFLIGHT_PER_SERVER,
-    show_default=True,
-    help="Requests in flight per server (batch size for the local engine).",
+    default=None,
+    help=(
+        f"Requests in flight per SGLang server or in-process engine (default "
+        f"{defaults.MAX_INFLIGHT_PER_SERVER}); the batch size of the local engine "
+        f"(default {defaults.LOCAL_BATCH_SIZE})."
+    ),
 )
 @click.option(
     "--request-timeout",
@@ -91,6 +96,16 @@ def worker_group() -> None:
     show_default=True,
     help="Tensor parallelism of the in-process SGLang engine.",
 )
+@click.option(
+    "--sglang-args",
+    callback=json_object,
+    default=None,
+    metavar="JSON",
+    help=(
+        "More sglang.Engine (ServerArgs) arguments for sglang-engine, e.g. "
+        '\'{"mem_fraction_static": 0.85, "context_length": 65536}\'.'
+    ),
+)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--loglevel", default="INFO", show_default=True)
 @metrics_port_option
@@ -107,6 +122,7 @@ def generate(
     max_attempts: int,
     device: str,
     tp_size: int,
+    sglang_args: dict[str, Any],
     trust_remote_code: bool,
     loglevel: str,
     metrics_port: int | None,
@@ -124,6 +140,7 @@ def generate(
             trust_remote_code=trust_remote_code,
             device=device,
             tp_size=tp_size,
+            sglang_args=sglang_args,
         )
         run_worker(
             WorkerOptions(

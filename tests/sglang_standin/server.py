@@ -11,7 +11,6 @@ import asyncio
 import socket
 import time
 import weakref
-from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,41 +19,26 @@ from aiohttp import web
 
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import StandinConfig, parse_fault
-from tests.sglang_standin.slots import QueueFull, Slots
-from tests.sglang_standin.validate import Item, RequestError, parse_generate
+from tests.sglang_standin.scheduler import Scheduler
+from tests.sglang_standin.slots import QueueFull
+from tests.sglang_standin.validate import RequestError, parse_generate
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# A window for sglang:gen_throughput, which SGLang reports over its last log interval.
-THROUGHPUT_WINDOW_S = 10.0
-ALWAYS_COUNTED = (
-    "requests_total",
-    "completed",
-    "generation_tokens_total",
-    "prompt_tokens_total",
-    "connections_total",
-)
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-class Standin:
+class Standin(Scheduler):
     def __init__(self, config: StandinConfig, completer: Completer, model_path: str) -> None:
-        self.config = config
-        self.completer = completer
+        super().__init__(config, completer)
         self.model_path = model_path
-        self.slots = Slots(config.max_running_requests, config.max_queued_requests)
         self.started_at = time.time()
         self._started_mono = time.monotonic()
         self.unhealthy = config.unhealthy
-        self.faults: deque[list[Any]] = deque(list(parse_fault(f)) for f in config.fault)
-        # Per-status and per-fault counters appear on first use; these are always there.
-        self.counters: Counter[str] = Counter(dict.fromkeys(ALWAYS_COUNTED, 0))
         self.inflight = 0
         self.peak_inflight = 0
-        self._active_rids: set[str] = set()
-        self._recent_tokens: deque[tuple[float, int]] = deque()
         self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def app(self) -> web.Application:
@@ -101,9 +85,9 @@ class Standin:
     async def _generate(self, request: web.Request) -> web.Response | None:
         body = await request.read()
         delay_s = 0.0
-        if self.faults:
-            kind, _, delay_s = self._take_fault()
-            self.counters[f"fault_{kind}"] += 1
+        fault = self.take_fault()
+        if fault is not None:
+            kind, _, delay_s = fault
             if kind == "drop":
                 # Close the socket with no response, as a crashed or OOM-killed server does.
                 assert request.transport is not None
@@ -117,17 +101,16 @@ class Standin:
                 return _json({"text": "", "meta_info": {"id": "malformed"}})
         try:
             batch, items = parse_generate(body, self.completer.vocab_size)
-            self._check_lengths(items)
-            self._claim_rids(items)
+            self.admit(items)
         except RequestError as exc:
             return _json({"error": {"message": str(exc)}}, status=400)
         started = time.monotonic()
         try:
             outs = await asyncio.gather(
-                *(self._run(item, delay_s, started) for item in items), return_exceptions=True
+                *(self.run(item, delay_s, started) for item in items), return_exceptions=True
             )
         finally:
-            self._active_rids.difference_update(item.rid for item in items)
+            self.finish(items)
         for out in outs:
             if isinstance(out, QueueFull):
                 return self._overloaded(str(out))
@@ -135,70 +118,9 @@ class Standin:
                 raise out
         return _json(outs if batch else outs[0])
 
-    def _take_fault(self) -> tuple[str, int, float]:
-        fault = self.faults[0]
-        fault[1] -= 1
-        if fault[1] <= 0:
-            self.faults.popleft()
-        return fault[0], fault[1], fault[2]
-
     def _overloaded(self, message: str) -> web.Response:
         body = {"object": "error", "message": message, "type": "503", "param": None, "code": 503}
         return _json(body, status=503)
-
-    def _check_lengths(self, items: list[Item]) -> None:
-        """SGLang's TokenizerManager._validate_one_request, with auto-truncate off."""
-        ctx = self.config.context_length
-        for item in items:
-            n = len(item.input_ids)
-            if n >= ctx:
-                raise RequestError(
-                    f"The input ({n} tokens) is longer than the model's context length "
-                    f"({ctx} tokens)."
-                )
-            # Like SGLang, only an explicit max_new_tokens counts toward the total.
-            max_new = item.sampling.get("max_new_tokens")
-            if max_new is not None and n + max_new > ctx:
-                raise RequestError(
-                    "Requested token count exceeds the model's maximum context length of "
-                    f"{ctx} tokens. You requested a total of {n + max_new} tokens: {n} tokens "
-                    f"from the input messages and {max_new} tokens for the completion. Please "
-                    "reduce the number of tokens in the input messages or the completion to "
-                    "fit within the limit."
-                )
-
-    def _claim_rids(self, items: list[Item]) -> None:
-        rids = [item.rid for item in items]
-        for i, rid in enumerate(rids):
-            if rid in self._active_rids or rid in rids[:i]:
-                raise RequestError(f"Duplicate request ID detected: {rid}")
-        self._active_rids.update(rids)
-
-    async def _run(self, item: Item, delay_s: float, started: float) -> dict[str, Any]:
-        await self.slots.acquire()
-        try:
-            done = self.completer.complete(item.input_ids, item.sampling)
-            seconds = delay_s
-            if self.config.decode_tokens_per_s > 0:
-                seconds += len(done.output_ids) / self.config.decode_tokens_per_s
-            if seconds > 0:
-                await asyncio.sleep(seconds)
-        finally:
-            self.slots.release()
-        n_out = len(done.output_ids)
-        self.counters["completed"] += 1
-        self.counters["generation_tokens_total"] += n_out
-        self.counters["prompt_tokens_total"] += len(item.input_ids)
-        self._recent_tokens.append((time.monotonic(), n_out))
-        meta = {
-            "id": item.rid,
-            "finish_reason": done.finish_reason,
-            "prompt_tokens": len(item.input_ids),
-            "completion_tokens": n_out,
-            "cached_tokens": 0,
-            "e2e_latency": time.monotonic() - started,
-        }
-        return {"text": done.text, "output_ids": done.output_ids, "meta_info": meta}
 
     async def health(self, request: web.Request) -> web.Response:
         starting = time.monotonic() - self._started_mono < self.config.startup_delay
@@ -241,16 +163,10 @@ class Standin:
             "num_queue_reqs": self.slots.queued,
             "generation_tokens_total": self.counters["generation_tokens_total"],
             "prompt_tokens_total": self.counters["prompt_tokens_total"],
-            "gen_throughput": self._throughput(),
+            "gen_throughput": self.throughput(),
         }
         text = "".join(f"sglang:{name}{label} {float(v)}\n" for name, v in values.items())
         return web.Response(text=text, content_type="text/plain")
-
-    def _throughput(self) -> float:
-        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
-        while self._recent_tokens and self._recent_tokens[0][0] < horizon:
-            self._recent_tokens.popleft()
-        return sum(n for _, n in self._recent_tokens) / THROUGHPUT_WINDOW_S
 
     # --- test-only routes ----------------------------------------------------------
     async def set_fault(self, request: web.Request) -> web.Response:

@@ -59,13 +59,18 @@ def parse_generate(body: bytes, vocab_size: int) -> tuple[bool, list[Item]]:
     samplings = _per_item(req.get("sampling_params"), n, batch, "sampling_params")
     rids = _per_item(req.get("rid"), n, batch, "rid")
     return batch, [
-        Item(
-            rid=str(rid) if rid is not None else uuid.uuid4().hex,
-            input_ids=_check_ids(prompt, vocab_size),
-            sampling=_check_sampling(sampling or {}),
-        )
+        check_item(prompt, sampling, rid, vocab_size)
         for prompt, sampling, rid in zip(prompts, samplings, rids, strict=True)
     ]
+
+
+def check_item(input_ids: Any, sampling: Any, rid: Any, vocab_size: int) -> Item:
+    """One prompt's request, checked; a missing rid gets a fresh one, as in SGLang."""
+    return Item(
+        rid=str(rid) if rid is not None else uuid.uuid4().hex,
+        input_ids=_check_ids(input_ids, vocab_size),
+        sampling=_check_sampling(sampling or {}),
+    )
 
 
 def _per_item(value: Any, n: int, batch: bool, name: str) -> list[Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from common import defaults
 from consumers.generate.engine import Engine
@@ -28,6 +29,8 @@ class EngineOptions:
     trust_remote_code: bool = False
     device: str = "auto"
     tp_size: int = 1
+    # More `sglang.Engine` arguments (SGLang's ServerArgs fields), engine "sglang-engine".
+    sglang_args: dict[str, Any] = field(default_factory=dict)
 
 
 def make_engine(name: str, options: EngineOptions) -> Engine:
@@ -58,7 +61,11 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
         from consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
 
         return SGLangInProcessEngine(
-            options.model, tp_size=options.tp_size, trust_remote_code=options.trust_remote_code
+            options.model,
+            tp_size=options.tp_size,
+            trust_remote_code=options.trust_remote_code,
+            max_inflight=options.max_inflight or defaults.MAX_INFLIGHT_PER_SERVER,
+            server_args=options.sglang_args,
         )
     if ":" in name:
         module_name, _, attr = name.partition(":")

@@ -5,8 +5,22 @@ Same request shape as the HTTP engine (`input_ids`, `sampling_params`, `rid`) th
 imported only here and only when this engine is built: importing it needs CUDA, and the
 rest of regen must run without it (`pip install regen[sglang]` on GPU hosts).
 
-Not exercised by the test suite (it needs a GPU); the reply mapping it shares with the
-HTTP engine is.
+How SGLang 0.5 reports trouble in-process (its tokenizer manager), and what it means here:
+
+| SGLang raises                                   | meaning                | here            |
+|-------------------------------------------------|------------------------|-----------------|
+| ValueError "Duplicate request ID detected"      | an earlier attempt of  | EngineUnavailable|
+|                                                 | this rid still runs    | (retry)         |
+| ValueError (too long, invalid request)          | the prompt is bad      | PromptRejected  |
+| HTTPException 400 / 413 / 422                   | the prompt is bad      | PromptRejected  |
+| HTTPException 429 / 503 (queue full), other 5xx | the engine is busy/sick| EngineUnavailable|
+| a reply with finish_reason "abort"              | aborted (shutdown)     | EngineUnavailable|
+
+A crashed scheduler makes SGLang kill this whole process (its SIGQUIT handler), so the
+worker's chunks are redelivered and the chunk-attempt cap catches a poison prompt.
+
+Tests run this module against `tests/sglang_standin/offline_engine.py`, a stand-in for
+`sglang.Engine` that keeps this contract; a real GPU run is `scripts/gpu_check_sglang_engine.sh`.
 """
 
 from __future__ import annotations
@@ -15,16 +29,21 @@ import asyncio
 import time
 from typing import Any
 
+from common import defaults
 from consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.engines.sglang_replies import Failure, result_from_reply
+from consumers.generate.engines.sglang_replies import (
+    OVERLOAD_STATUSES,
+    REJECT_STATUSES,
+    Failure,
+    result_from_reply,
+)
 
-# In flight at once: the scheduler queues the rest, as a server would.
-DEFAULT_MAX_INFLIGHT = 256
+DUPLICATE_RID = "Duplicate request ID"
 
 
 class SGLangInProcessEngine:
@@ -36,8 +55,8 @@ class SGLangInProcessEngine:
         *,
         tp_size: int = 1,
         trust_remote_code: bool = False,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        **engine_args: Any,
+        max_inflight: int = defaults.MAX_INFLIGHT_PER_SERVER,
+        server_args: dict[str, Any] | None = None,
     ) -> None:
         try:
             import sglang
@@ -45,46 +64,94 @@ class SGLangInProcessEngine:
             raise ValueError(
                 "--engine sglang-engine needs SGLang on a GPU host: pip install 'regen[sglang]'"
             ) from exc
-        self._engine = sglang.Engine(
-            model_path=model,
-            tp_size=tp_size,
-            trust_remote_code=trust_remote_code,
-            log_level="error",
-            **engine_args,
-        )
+        args: dict[str, Any] = {
+            "model_path": model,
+            "tp_size": tp_size,
+            "trust_remote_code": trust_remote_code,
+            "log_level": "error",
+            **(server_args or {}),
+        }
+        # Built on the worker's main thread, before Celery starts: SGLang installs signal
+        # handlers there, and loading a large model takes minutes with no chunk held.
+        try:
+            self._engine = sglang.Engine(**args)
+        except TypeError as exc:  # a ServerArgs field that does not exist
+            raise ValueError(f"sglang.Engine rejected its arguments: {exc}") from exc
         self._label = f"sglang-engine:{model}"
+        self._device = f"tp_size={args['tp_size']}"
         self._max_inflight = max_inflight
         self._slots: asyncio.Semaphore | None = None
         self._inflight = 0
         self._completed = 0
+        self._failures: dict[str, int] = {}
         self._closed = False
 
     async def generate(
         self, request: GenerateRequest, *, deadline: float | None = None
     ) -> GenerateResult:
+        """`deadline` (time.monotonic()) bounds the wait for a free slot; generation that
+        started is not cut short."""
         if self._closed:
             raise EngineUnavailable("the in-process SGLang engine is closed")
         if self._slots is None:  # created on the runner's loop, where it is awaited
             self._slots = asyncio.Semaphore(self._max_inflight)
-        async with self._slots:
-            self._inflight += 1
-            started = time.monotonic()
-            try:
-                reply = await self._engine.async_generate(
-                    input_ids=request.prompt_ids,
-                    sampling_params=request.sampling,
-                    rid=request.rid,
-                )
-            except ValueError as exc:  # SGLang's own input validation: too long, invalid
-                raise PromptRejected(str(exc), server=self._label) from exc
-            finally:
-                self._inflight -= 1
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable("no free slot in the in-process SGLang engine") from None
+        self._inflight += 1
+        started = time.monotonic()
+        try:
+            reply = await self._engine.async_generate(
+                input_ids=request.prompt_ids,
+                sampling_params=request.sampling,
+                rid=request.rid,
+            )
+        except asyncio.CancelledError:
+            # The chunk was abandoned (shutdown): free the scheduler's slot for the next.
+            self._abort(request.rid)
+            raise
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._inflight -= 1
+            self._slots.release()
         try:
             result = result_from_reply(reply, request, self._label, started)
         except Failure as exc:
+            self._count(exc.kind)
             raise EngineUnavailable(exc.message) from exc
         self._completed += 1
         return result
+
+    def _translate(self, exc: Exception) -> Exception:
+        """SGLang's exception for one request, as PromptRejected or EngineUnavailable."""
+        status = getattr(exc, "status_code", None)  # fastapi.HTTPException, without fastapi
+        message = str(getattr(exc, "detail", None) or exc)
+        if isinstance(status, int):
+            if status in REJECT_STATUSES:
+                self._count("rejected")
+                return PromptRejected(message, server=self._label)
+            self._count("overloaded" if status in OVERLOAD_STATUSES else "server_error")
+            return EngineUnavailable(f"HTTP {status}: {message}")
+        if isinstance(exc, ValueError):
+            if DUPLICATE_RID in message:
+                self._count("duplicate_rid")
+                return EngineUnavailable(message)
+            self._count("rejected")
+            return PromptRejected(message, server=self._label)
+        # Anything else is SGLang failing, not the prompt: never a reason to dead-letter.
+        self._count("error")
+        return EngineUnavailable(f"{type(exc).__name__}: {exc}")
+
+    def _abort(self, rid: str) -> None:
+        manager = getattr(self._engine, "tokenizer_manager", None)
+        if manager is not None:
+            manager.abort_request(rid=rid)
+
+    def _count(self, kind: str) -> None:
+        self._failures[kind] = self._failures.get(kind, 0) + 1
 
     async def health(self) -> bool:
         return not self._closed
@@ -96,8 +163,10 @@ class SGLangInProcessEngine:
         return {
             "engine": self.name,
             "model": self._label,
+            "device": self._device,
             "inflight": self._inflight,
             "completed": self._completed,
+            "failures": dict(self._failures),
             "closed": self._closed,
         }
 

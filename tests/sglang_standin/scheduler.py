@@ -1,0 +1,114 @@
+"""What both stand-ins share: SGLang's request checks, its scheduler's slots, the answers
+and the counters. The HTTP server (server.py) and the offline `sglang.Engine` stand-in
+(offline_engine.py) put different surfaces on this one core, so for the same prompt they
+give the same answer and fail the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from typing import Any
+
+from tests.sglang_standin.completer import Completer
+from tests.sglang_standin.config import StandinConfig, parse_fault
+from tests.sglang_standin.slots import Slots
+from tests.sglang_standin.validate import Item, RequestError
+
+# A window for sglang:gen_throughput, which SGLang reports over its last log interval.
+THROUGHPUT_WINDOW_S = 10.0
+ALWAYS_COUNTED = (
+    "requests_total",
+    "completed",
+    "generation_tokens_total",
+    "prompt_tokens_total",
+    "connections_total",
+)
+
+
+class Scheduler:
+    def __init__(self, config: StandinConfig, completer: Completer) -> None:
+        self.config = config
+        self.completer = completer
+        self.slots = Slots(config.max_running_requests, config.max_queued_requests)
+        self.faults: deque[list[Any]] = deque(list(parse_fault(f)) for f in config.fault)
+        # Per-status and per-fault counters appear on first use; these are always there.
+        self.counters: Counter[str] = Counter(dict.fromkeys(ALWAYS_COUNTED, 0))
+        self.active_rids: set[str] = set()
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+
+    def take_fault(self) -> tuple[str, int, float] | None:
+        """The next armed fault (kind, count left, delay_s), or None; counted as fault_KIND."""
+        if not self.faults:
+            return None
+        fault = self.faults[0]
+        fault[1] -= 1
+        if fault[1] <= 0:
+            self.faults.popleft()
+        self.counters[f"fault_{fault[0]}"] += 1
+        return fault[0], fault[1], fault[2]
+
+    def admit(self, items: list[Item]) -> None:
+        """SGLang's TokenizerManager checks (auto-truncate off), then the rids are taken
+        until `finish(items)`. RequestError (a ValueError) is SGLang's ValueError."""
+        ctx = self.config.context_length
+        for item in items:
+            n = len(item.input_ids)
+            if n >= ctx:
+                raise RequestError(
+                    f"The input ({n} tokens) is longer than the model's context length "
+                    f"({ctx} tokens)."
+                )
+            # Like SGLang, only an explicit max_new_tokens counts toward the total.
+            max_new = item.sampling.get("max_new_tokens")
+            if max_new is not None and n + max_new > ctx:
+                raise RequestError(
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{ctx} tokens. You requested a total of {n + max_new} tokens: {n} tokens "
+                    f"from the input messages and {max_new} tokens for the completion. Please "
+                    "reduce the number of tokens in the input messages or the completion to "
+                    "fit within the limit."
+                )
+        rids = [item.rid for item in items]
+        for i, rid in enumerate(rids):
+            if rid in self.active_rids or rid in rids[:i]:
+                raise RequestError(f"Duplicate request ID detected: {rid}")
+        self.active_rids.update(rids)
+
+    def finish(self, items: list[Item]) -> None:
+        self.active_rids.difference_update(item.rid for item in items)
+
+    async def run(self, item: Item, delay_s: float, started: float) -> dict[str, Any]:
+        """Wait for a slot, "decode", and return SGLang's reply dict (QueueFull if the
+        waiting queue is full)."""
+        await self.slots.acquire()
+        try:
+            done = self.completer.complete(item.input_ids, item.sampling)
+            seconds = delay_s
+            if self.config.decode_tokens_per_s > 0:
+                seconds += len(done.output_ids) / self.config.decode_tokens_per_s
+            if seconds > 0:
+                await asyncio.sleep(seconds)
+        finally:
+            self.slots.release()
+        n_out = len(done.output_ids)
+        self.counters["completed"] += 1
+        self.counters["generation_tokens_total"] += n_out
+        self.counters["prompt_tokens_total"] += len(item.input_ids)
+        self._recent_tokens.append((time.monotonic(), n_out))
+        meta = {
+            "id": item.rid,
+            "finish_reason": done.finish_reason,
+            "prompt_tokens": len(item.input_ids),
+            "completion_tokens": n_out,
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - started,
+        }
+        return {"text": done.text, "output_ids": done.output_ids, "meta_info": meta}
+
+    def throughput(self) -> float:
+        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
+        while self._recent_tokens and self._recent_tokens[0][0] < horizon:
+            self._recent_tokens.popleft()
+        return sum(n for _, n in self._recent_tokens) / THROUGHPUT_WINDOW_S
