@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 
 import pytest
+from click.testing import CliRunner
 
+from consumers.generate.engine import Engine
 from consumers.generate.engines import EngineOptions, make_engine
+from consumers.generate.worker import WorkerOptions
+from regen import cli
 from tests.poison_engine import PoisonEngine
 
 
@@ -30,3 +35,27 @@ def test_a_custom_engine_loads_from_module_and_factory(monkeypatch: pytest.Monke
     monkeypatch.setenv("REGEN_TEST_POISON", "never-matches")
     engine = make_engine("tests.poison_engine:make", EngineOptions())
     assert isinstance(engine, PoisonEngine)
+
+
+def engine_from_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> Engine:
+    """The engine `regen worker generate ARGS` would run."""
+    seen: list[WorkerOptions] = []
+    monkeypatch.setattr("consumers.generate.worker.run_worker", seen.append)
+    result = CliRunner().invoke(cli.main, ["worker", "generate", *args])
+    assert result.exit_code == 0, result.output
+    return make_engine(seen[0].engine, seen[0].engine_options)
+
+
+@pytest.mark.parametrize(("flags", "batch"), [([], 16), (["--max-inflight", "4"], 4)])
+def test_the_local_engine_batches_16_unless_told(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], batch: int
+) -> None:
+    engine = engine_from_cli(monkeypatch, "--engine", "local", "--model", "smollm2", *flags)
+    assert engine.stats()["max_batch_size"] == batch
+    asyncio.run(engine.close())
+
+
+def test_the_sglang_engine_keeps_256_in_flight_per_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_from_cli(monkeypatch, "--engine", "sglang", "--server", "http://a:1,http://b:1")
+    assert [s["max_inflight"] for s in engine.stats()["servers"]] == [256, 256]
+    asyncio.run(engine.close())

@@ -172,6 +172,7 @@ class LocalEngine:
             "engine": self.name, "model": self.model, "device": str(self.device),
             "loaded": self._loaded is not None, "closed": self._closed,
             "error": None if self._load_error is None else str(self._load_error),
+            "max_batch_size": self.max_batch_size,
             "queued": self._queue.qsize() + len(self._backlog), "running": self._running,
             **self._counters, "busy_s": round(busy, 3),
             "tokens_per_s": round(tokens / busy, 1) if busy else 0.0,

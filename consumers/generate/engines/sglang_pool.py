@@ -88,6 +88,7 @@ class ServerState:
             "healthy": self.healthy,
             "probed": self.probed,
             "inflight": self.inflight,
+            "max_inflight": self.cap,
             "completed": self.completed,
             "failures_by_kind": dict(self.failures),
             "last_error": self.last_error,
