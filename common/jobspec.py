@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -148,4 +148,5 @@ def load(r: redis.Redis, job: str) -> JobSpec:
 
 
 def list_jobs(r: redis.Redis) -> list[str]:
-    return sorted(m.decode() for m in r.smembers(keys.JOBS))
+    # The client returns bytes (no decode_responses); redis-py's stubs say bytes | str.
+    return sorted(m.decode() for m in cast("set[bytes]", r.smembers(keys.JOBS)))

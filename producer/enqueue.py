@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery import Celery
+from redis.typing import EncodableT, FieldT
 
 from common import chat_family, dlq, keys
 from common.chunk import Chunk, ChunkPrompt
@@ -174,13 +175,18 @@ class Enqueuer:
                     self.stats.chunks += 1
                 else:  # this exact chunk was published before: its prompts are in
                     self.stats.duplicates += len(ids)
-                    self._r.hset(keys.job_cursors(self._spec.name), mapping=cursors)
+                    self._save_cursors(cursors)
                 return
             # Another producer enqueued some of these prompts meanwhile.
             taken = set(outcome.already_enqueued)
             self.stats.duplicates += len(taken)
             prompts = [p for p in prompts if p.id not in taken]
-        self._r.hset(keys.job_cursors(self._spec.name), mapping=cursors)
+        self._save_cursors(cursors)
+
+    def _save_cursors(self, cursors: dict[str, int]) -> None:
+        # A dict[str, int] is a valid mapping; the stub's Mapping key type is invariant.
+        mapping = cast("dict[FieldT, EncodableT]", cursors)
+        self._r.hset(keys.job_cursors(self._spec.name), mapping=mapping)
 
     def _drop_known(self, buffer: list[_Pending]) -> list[_Pending]:
         """Drop prompts already in the job or earlier in this buffer (exact duplicates)."""

@@ -19,10 +19,11 @@ import threading
 import time
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
+from redis.typing import EncodableT, FieldT
 
 from common import defaults, dlq, jobspec, keys
 from common.celery_app import visibility_timeout
@@ -115,7 +116,8 @@ def end_attempt(
     ctx: ChunkContext, chunk: Chunk, index: int, status: str, error: str | None = None
 ) -> None:
     entry = {"worker": ctx.worker, "time": time.time(), "status": status, "error": error}
-    ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))
+    # redis-py's stub types LSET's value as str only; bytes are sent as they are.
+    ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))  # type: ignore[arg-type]
 
 
 def _mark_generated(pipe: redis.client.Pipeline, chunk: Chunk, prompt_id: str) -> None:
@@ -230,7 +232,9 @@ def _hand_off(
         sampling=sampling,
     )
     pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
-    pipe.xadd(keys.results_stream(chunk.job), generated.to_fields())
+    # A dict[bytes, bytes] is a valid fields mapping; the stub's dict type is invariant.
+    fields = cast("dict[FieldT, EncodableT]", generated.to_fields())
+    pipe.xadd(keys.results_stream(chunk.job), fields)
     _mark_generated(pipe, chunk, prompt.id)
     pipe.execute()
     ctx.tokens.add(result.completion_tokens)
@@ -267,7 +271,10 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
 
 def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
     attempt, history = start_attempt(ctx, chunk)
-    done = {m.decode() for m in ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id))}
+    # The client returns bytes (no decode_responses); redis-py's stubs say bytes | str.
+    settled_key = keys.chunk_generated(chunk.job, chunk.chunk_id)
+    settled = cast("set[bytes]", ctx.redis.smembers(settled_key))
+    done = {m.decode() for m in settled}
     todo = [p for p in chunk.prompts if p.id not in done]
     # "started" entries other than this one are deliveries whose worker died.
     failed = [

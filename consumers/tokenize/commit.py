@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import orjson
 import redis
@@ -30,6 +31,10 @@ from common import defaults, keys
 # recovery (after expiry) never races a rename.
 LEASE_S = defaults.SHARD_LEASE_S
 LEASE_MARGIN_S = LEASE_S / 2
+
+# Replies are bytes: common.connection.client() leaves decode_responses off, but
+# redis-py's stubs type them as bytes | str whatever the client, hence the casts below.
+_Hash = dict[bytes, bytes]
 
 _CLAIM_LUA = """
 local taken = {}
@@ -119,11 +124,11 @@ class CommitLedger:
         """The shard each id is committed (or claimed) to, None when free."""
         if not ids:
             return []
-        values = self._r.hmget(keys.committed(self._job), ids)
+        values = cast("list[bytes | None]", self._r.hmget(keys.committed(self._job), ids))
         return [v.decode() if v is not None else None for v in values]
 
     def pending(self) -> dict[str, PendingShard]:
-        raw = self._r.hgetall(keys.pending_shards(self._job))
+        raw = cast(_Hash, self._r.hgetall(keys.pending_shards(self._job)))
         return {k.decode(): PendingShard(**orjson.loads(v)) for k, v in raw.items()}
 
     def claim(self, shard: str, owner: str, ids: list[str]) -> tuple[list[str], PendingShard]:
@@ -160,4 +165,5 @@ class CommitLedger:
         return bool(done)
 
     def shards(self) -> dict[str, bytes]:
-        return {k.decode(): v for k, v in self._r.hgetall(keys.shards(self._job)).items()}
+        raw = cast(_Hash, self._r.hgetall(keys.shards(self._job)))
+        return {k.decode(): v for k, v in raw.items()}

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -126,7 +126,9 @@ class TokenizeConsumer:
     def _live_owners(self) -> set[str]:
         now = time.time()
         owners = set()
-        for name, raw in self._r.hgetall(keys.WORKERS).items():
+        # The client returns bytes (no decode_responses); redis-py's stubs say bytes | str.
+        beats = cast("dict[bytes, bytes]", self._r.hgetall(keys.WORKERS))
+        for name, raw in beats.items():
             beat = orjson.loads(raw)
             if now - beat.get("last_seen", 0) < defaults.HEARTBEAT_STALE_S:
                 owners.add(name.decode())
@@ -168,12 +170,17 @@ class TokenizeConsumer:
 
     def _read(self) -> None:
         streams = {w.stream: ">" for w in self.state.writers.values()}
-        replies = self._r.xreadgroup(
-            keys.TOKENIZE_GROUP,
-            self.name,
-            streams,  # type: ignore[arg-type]
-            count=self._options.batch,
-            block=self._options.block_ms,
+        # RESP2 (the client's protocol) replies [[stream, entries], ...]; the stubs' type
+        # also covers RESP3's dict.
+        replies = cast(
+            "list[list[Any]] | None",
+            self._r.xreadgroup(
+                keys.TOKENIZE_GROUP,
+                self.name,
+                streams,  # type: ignore[arg-type]
+                count=self._options.batch,
+                block=self._options.block_ms,
+            ),
         )
         by_stream = {w.stream: w for w in self.state.writers.values()}
         for stream, entries in replies or []:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import orjson
 import zstandard
@@ -92,9 +92,9 @@ class OpenShard:
         self.uncompressed_bytes = 0
         self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
         self._hash = hashlib.sha256()
-        self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(
-            _HashingWriter(self._file, self._hash), closefd=False
-        )
+        # zstandard only calls write() and flush() on it; its stub asks for a whole IO[bytes].
+        sink = cast(IO[bytes], _HashingWriter(self._file, self._hash))
+        self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(sink, closefd=False)
 
     def add(self, record: dict[str, Any]) -> None:
         line = orjson.dumps(record) + b"\n"
