@@ -6,12 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from common import jobspec, keys
+from common import dlq, jobspec, keys
 from common.celery_app import make_app
 from common.queues import queued_chunks
 from common.results import GeneratedResult
@@ -100,3 +102,20 @@ def enqueued_ids(r: redis.Redis, job: str) -> set[str]:
 def all_generated(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
     """Every enqueued prompt has a result and every chunk is acknowledged."""
     return result_ids(r, spec.name) == enqueued_ids(r, spec.name) and all_acked(r, spec)
+
+
+def deaths_until_dead_lettered(
+    r: redis.Redis, job: str, start_worker: Callable[[], Worker], timeout: float = 240
+) -> int:
+    """Start workers one after another until the job's generate DLQ has a letter; how
+    many of them died of a signal (a poison chunk kills each worker that takes it)."""
+    deaths = 0
+    deadline = time.monotonic() + timeout
+    while dlq.count(r, job, "generate") == 0:
+        assert time.monotonic() < deadline, "never dead-lettered"
+        worker = start_worker()
+        while worker.process.poll() is None and dlq.count(r, job, "generate") == 0:
+            time.sleep(0.1)
+        deaths += worker.process.returncode is not None and worker.process.returncode < 0
+        worker.stop()
+    return deaths

@@ -4,7 +4,6 @@ engine is the offline `sglang.Engine` stand-in (put on their PYTHONPATH as `sgla
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from tests.generate_harness import (
     Worker,
     all_acked,
     all_generated,
+    deaths_until_dead_lettered,
     enqueue_prompts,
     result_ids,
     results,
@@ -93,15 +93,11 @@ def test_a_prompt_that_crashes_the_engine_is_dead_lettered_after_max_attempts(
     spec = enqueue_prompts(
         redis_url, tmp_path, ["POISON: this prompt kills the engine"], chunk_size=1
     )
-    deaths = 0
-    deadline = time.monotonic() + 240
-    while dlq.count(r, "g", "generate") == 0:
-        assert time.monotonic() < deadline, "never dead-lettered"
-        worker = in_process_worker(redis_url, tmp_path, "--max-attempts", "3", poison="POISON")
-        while worker.process.poll() is None and dlq.count(r, "g", "generate") == 0:
-            time.sleep(0.1)
-        deaths += worker.process.returncode is not None and worker.process.returncode < 0
-        worker.stop()
+    deaths = deaths_until_dead_lettered(
+        r,
+        "g",
+        lambda: in_process_worker(redis_url, tmp_path, "--max-attempts", "3", poison="POISON"),
+    )
     (letter,) = list(dlq.entries(r, "g", "generate"))
     assert letter.reason == "poison_chunk"
     assert deaths == 3 and len(letter.history) == 4

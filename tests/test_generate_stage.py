@@ -13,6 +13,7 @@ from tests.generate_harness import (
     Worker,
     all_acked,
     all_generated,
+    deaths_until_dead_lettered,
     enqueue_prompts,
     enqueued_ids,
     result_ids,
@@ -186,25 +187,8 @@ def test_a_poison_chunk_is_dead_lettered_after_max_attempts(
         redis_url, tmp_path, ["POISON: this prompt kills the engine"], chunk_size=1
     )
     env = {"REGEN_TEST_POISON": "POISON"}
-    deaths = 0
-    deadline = time.monotonic() + 240
-    while dlq.count(r, "g", "generate") == 0:
-        assert time.monotonic() < deadline, "never dead-lettered"
-        worker = Worker(
-            redis_url,
-            tmp_path,
-            "--engine",
-            "tests.poison_engine:make",
-            "--jobs",
-            "g",
-            "--max-attempts",
-            "3",
-            env=env,
-        )
-        while worker.process.poll() is None and dlq.count(r, "g", "generate") == 0:
-            time.sleep(0.1)
-        deaths += worker.process.returncode is not None and worker.process.returncode < 0
-        worker.stop()
+    args = ["--engine", "tests.poison_engine:make", "--jobs", "g", "--max-attempts", "3"]
+    deaths = deaths_until_dead_lettered(r, "g", lambda: Worker(redis_url, tmp_path, *args, env=env))
     (letter,) = list(dlq.entries(r, "g", "generate"))
     assert letter.reason == "poison_chunk"
     assert deaths == 3 and len(letter.history) == 4
