@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import queue
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -53,15 +52,8 @@ from consumers.generate.engine import (
     PromptRejected,
 )
 from consumers.generate.engines.local_model import LoadedModel, shared_model
-from consumers.generate.engines.local_sampling import (
-    HONOURED,
-    NEUTRAL,
-    SAMPLING_DEFAULTS,
-    SGLANG_MAX_NEW_TOKENS,
-    BatchKey,
-    RowStop,
-    logits_processors,
-)
+from consumers.generate.engines.local_requests import RowPlan, plan_row
+from consumers.generate.engines.local_sampling import RowStop, logits_processors
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +64,13 @@ class _Job:
     future: asyncio.Future[GenerateResult]
     loop: asyncio.AbstractEventLoop
     enqueued: float
-    key: BatchKey | None = None
-    max_new: int = 0
-    seed: int | None = None
-    skip_special: bool = True
-    trim_stop: bool = True
+    plan: RowPlan | None = None  # set when the worker thread admits the job
     started: bool = False
+
+    @property
+    def planned(self) -> RowPlan:
+        assert self.plan is not None, "only admitted jobs are batched"
+        return self.plan
 
 
 class LocalEngine:
@@ -230,8 +223,8 @@ class LocalEngine:
                 deadline = deadline or time.monotonic() + self.batch_wait_s
 
     def _batch_full(self) -> bool:
-        key = self._backlog[0].key
-        return sum(job.key == key for job in self._backlog) >= self.max_batch_size
+        key = self._backlog[0].planned.key
+        return sum(job.planned.key == key for job in self._backlog) >= self.max_batch_size
 
     def _take_batch(self) -> list[_Job]:
         """The oldest job, plus younger ones with the same sampling that fit beside it."""
@@ -239,9 +232,9 @@ class LocalEngine:
         self._backlog = [job for job in self._backlog if not job.future.cancelled()]
         ctx, batch, width, longest = self._loaded.context_len, [], 0, 0
         for job in self._backlog:
-            w, n = max(width, len(job.request.prompt_ids)), max(longest, job.max_new)
+            w, n = max(width, len(job.request.prompt_ids)), max(longest, job.planned.max_new)
             # Every row runs (unused) until the longest is done: all must stay in context.
-            if job.key == self._backlog[0].key and (ctx is None or w + n <= ctx):
+            if job.planned.key == self._backlog[0].planned.key and (ctx is None or w + n <= ctx):
                 batch.append(job)
                 width, longest = w, n
                 if len(batch) == self.max_batch_size:
@@ -255,79 +248,21 @@ class LocalEngine:
         if self._load_error is not None:
             _settle(job, EngineUnavailable(f"the local model failed to load: {self._load_error}"))
             return False
+        assert self._loaded is not None
         try:
-            self._parse(job)
+            job.plan = plan_row(job.request, self._loaded)
         except PromptRejected as exc:
             self._counters["rejected"] += 1
             _settle(job, exc)
             return False
-        if job.max_new == 0:  # SGLang answers an empty completion
+        if job.planned.max_new == 0:  # SGLang answers an empty completion
             self._finish(job, [], batch_size=0)
             return False
         return True
 
-    def _parse(self, job: _Job) -> None:
-        """Check a request like SGLang's SamplingParams.verify (same messages) and set up job."""
-        assert self._loaded is not None
-        m, s, prompt = self._loaded, job.request.sampling, job.request.prompt_ids
-        unknown = sorted(set(s) - HONOURED - set(NEUTRAL))
-        empty: tuple[Any, ...] = (None, "", [], {})
-        unsupported = sorted(k for k, v in NEUTRAL.items() if s.get(k) not in (v, *empty))
-        if unknown or unsupported:
-            what = f"unknown {unknown}" if unknown else f"unsupported {unsupported}"
-            raise PromptRejected(f"sampling parameters: {what} (local engine)")
-
-        def get(name: str) -> Any:
-            value = s.get(name)
-            return m.defaults.get(name, SAMPLING_DEFAULTS[name]) if value is None else value
-
-        try:
-            max_new = s.get("max_new_tokens")
-            job.max_new = SGLANG_MAX_NEW_TOKENS if max_new is None else int(max_new)
-            temperature, top_p, min_p = (float(get(k)) for k in ("temperature", "top_p", "min_p"))
-            top_k, penalty = int(get("top_k")), float(get("repetition_penalty"))
-            stops = {int(t) for t in s.get("stop_token_ids") or ()}
-            seeds = [int(s[k]) for k in ("seed", "sampling_seed") if s.get(k) is not None]
-        except (TypeError, ValueError) as exc:
-            raise PromptRejected(f"invalid sampling parameters: {exc}") from exc
-        problems = [msg for bad, msg in (
-            (job.max_new < 0, f"max_new_tokens must be at least 0, got {job.max_new}."),
-            (not temperature >= 0, f"temperature must be non-negative, got {temperature}."),
-            (not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}."),
-            (not 0 <= min_p <= 1, f"min_p must be in [0, 1], got {min_p}."),
-            (top_k < 1 and top_k != -1, f"top_k must be -1 (disable) or at least 1, got {top_k}."),
-            (not 0 < penalty <= 2, f"repetition_penalty must be in (0, 2], got {penalty}."),
-            (not prompt, "the prompt is empty."),
-            (bool(prompt) and not 0 <= min(prompt) <= max(prompt) < m.vocab_size,
-             f"prompt token ids must be in [0, {m.vocab_size})."),
-        ) if bad]  # fmt: skip
-        if problems:
-            raise PromptRejected(" ".join(problems))
-        ctx, n = m.context_len, len(prompt)
-        if ctx is not None and n >= ctx:
-            raise PromptRejected(
-                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
-            )
-        if ctx is not None and n + job.max_new > ctx:
-            raise PromptRejected(
-                f"Requested token count exceeds the model's maximum context length of {ctx} "
-                f"tokens. You requested a total of {n + job.max_new} tokens: {n} tokens from "
-                f"the input messages and {job.max_new} tokens for the completion. Please "
-                "reduce the number of tokens in the input messages or the completion to fit "
-                "within the limit."
-            )
-        stop_ids = () if s.get("ignore_eos") else tuple(sorted(m.eos_ids | stops))
-        if temperature < 1e-6:  # greedy (SGLang: top_k=1), so the other knobs are moot
-            job.key = BatchKey(0.0, 1.0, -1, 0.0, penalty, stop_ids)
-        else:
-            job.key = BatchKey(temperature, top_p, top_k, min_p, penalty, stop_ids)
-            job.seed = seeds[0] if seeds else random.getrandbits(63)
-        job.skip_special = s.get("skip_special_tokens") is not False
-        job.trim_stop = not s.get("no_stop_trim")
-
     def _run_batch(self, jobs: list[_Job]) -> None:
-        assert self._loaded is not None and jobs[0].key is not None
-        key, dev = jobs[0].key, self.device
+        assert self._loaded is not None
+        key, dev = jobs[0].planned.key, self.device
         prompts = [job.request.prompt_ids for job in jobs]
         width = max(map(len, prompts))
         # Left padding puts every row's last prompt token in the last column. Pad columns
@@ -335,7 +270,8 @@ class LocalEngine:
         # repetition penalty: repeating the row's first token keeps them out of it.
         ids = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=dev)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
-        limits = torch.tensor([job.max_new for job in jobs], device=dev)
+        plans = [job.planned for job in jobs]
+        limits = torch.tensor([plan.max_new for plan in plans], device=dev)
         stop_ids = torch.tensor(key.stop_ids, dtype=torch.long, device=dev)
         started, self._running = time.monotonic(), len(jobs)
         for job in jobs:
@@ -344,9 +280,10 @@ class LocalEngine:
             with torch.inference_mode():
                 out = self._loaded.model.generate(
                     input_ids=ids, attention_mask=mask,
-                    generation_config=GenerationConfig(max_new_tokens=max(j.max_new for j in jobs),
-                                                       do_sample=False),
-                    logits_processor=logits_processors(key, [job.seed or 0 for job in jobs], dev),
+                    generation_config=GenerationConfig(
+                        max_new_tokens=max(plan.max_new for plan in plans), do_sample=False),
+                    logits_processor=logits_processors(
+                        key, [plan.seed or 0 for plan in plans], dev),
                     stopping_criteria=StoppingCriteriaList(
                         [RowStop(stop_ids, limits, width, self._abort)]),
                 )  # fmt: skip
@@ -360,18 +297,19 @@ class LocalEngine:
             self._finish(job, row, batch_size=len(jobs))
 
     def _finish(self, job: _Job, row: list[int], *, batch_size: int) -> None:
-        assert self._loaded is not None and job.key is not None
+        assert self._loaded is not None
+        plan = job.planned
         # A row that ended goes on (unused) while others in its batch still run: cut it at
         # its first stop token, where SGLang would have ended it.
-        stops = set(job.key.stop_ids)
-        cut = next((i for i, t in enumerate(row[: job.max_new - 1]) if t in stops), None)
+        stops = set(plan.key.stop_ids)
+        cut = next((i for i, t in enumerate(row[: plan.max_new - 1]) if t in stops), None)
         if cut is None:
-            output, reason = row[: job.max_new], {"type": "length", "length": job.max_new}
+            output, reason = row[: plan.max_new], {"type": "length", "length": plan.max_new}
         else:
             output, reason = row[: cut + 1], {"type": "stop", "matched": row[cut]}
-        shown = output[:-1] if cut is not None and job.trim_stop else output
-        text = self._loaded.tokenizer.decode(shown, skip_special_tokens=job.skip_special)
-        meta = {"batch_size": batch_size} | ({} if job.seed is None else {"seed": job.seed})
+        shown = output[:-1] if cut is not None and plan.trim_stop else output
+        text = self._loaded.tokenizer.decode(shown, skip_special_tokens=plan.skip_special)
+        meta = {"batch_size": batch_size} | ({} if plan.seed is None else {"seed": plan.seed})
         self._counters["requests"] += 1
         self._counters["tokens_generated"] += len(output)
         _settle(job, GenerateResult(
