@@ -106,7 +106,11 @@ def worker_group() -> None:
         '\'{"mem_fraction_static": 0.85, "context_length": 65536}\'.'
     ),
 )
-@click.option("--trust-remote-code", is_flag=True)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Let an in-process engine run the model's own code (Kimi needs it).",
+)
 @click.option("--loglevel", default="INFO", show_default=True)
 @metrics_port_option
 @redis_url_option
