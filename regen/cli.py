@@ -42,8 +42,14 @@ def main(verbose: int) -> None:
     show_default=True,
     help="The model (its tokenizer renders the prompts).",
 )
-@click.option("--trust-remote-code", is_flag=True)
-@click.option("--thinking/--no-thinking", default=None)
+@click.option(
+    "--trust-remote-code", is_flag=True, help="Let the tokenizer run its own code (Kimi)."
+)
+@click.option(
+    "--thinking/--no-thinking",
+    default=None,
+    help="The chat template's thinking switch (default: the template's own).",
+)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=320, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.2, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1), default=0.9, show_default=True)
