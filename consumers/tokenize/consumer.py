@@ -170,8 +170,8 @@ class TokenizeConsumer:
 
     def _read(self) -> None:
         streams = {w.stream: ">" for w in self.state.writers.values()}
-        # RESP2 (the client's protocol) replies [[stream, entries], ...]; the stubs' type
-        # also covers RESP3's dict.
+        # redis-py gives [[stream, entries], ...] here, over RESP2 and RESP3 alike (its
+        # legacy shape); the stubs' type also allows a dict by stream.
         replies = cast(
             "list[list[Any]] | None",
             self._r.xreadgroup(
