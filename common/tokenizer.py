@@ -180,8 +180,13 @@ def _load_error(exc: Exception, ref: ModelRef) -> TokenizerLoadError:
 
 
 def _missing_packages(exc: Exception) -> tuple[str, ...]:
-    if isinstance(exc, ModuleNotFoundError) and exc.name:
-        return (exc.name.split(".")[0],)
+    # transformers wraps the real ImportError ("No module named 'torch'" under its
+    # "Could not import module 'read_gguf_metadata'"): look down the whole chain.
+    link: BaseException | None = exc
+    while link is not None:
+        if isinstance(link, ModuleNotFoundError) and link.name:
+            return (link.name.split(".")[0],)
+        link = link.__cause__ or link.__context__
     message = str(exc)
     # transformers' wording when remote code imports packages that are not installed.
     listed = re.search(r"not found in your environment: ([^.]+)\.", message)

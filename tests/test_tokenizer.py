@@ -4,7 +4,10 @@ fixture through transformers' remote code. Nothing here is mocked."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +140,26 @@ def test_missing_package_is_named_with_its_pip_command(tmp_path: Path) -> None:
     with pytest.raises(MissingDependency, match="pip install regen_test_absent_package") as err:
         load_tokenizer(str(folder), trust_remote_code=True)
     assert err.value.packages == ("regen_test_absent_package",)
+
+
+def test_a_gguf_without_torch_names_torch(tmp_path: Path) -> None:
+    """transformers converts a GGUF vocabulary with code that imports torch; without the
+    `local` extra that must say so, not "Could not import module 'read_gguf_metadata'"."""
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if not installed: find_spec None, import fails\n"
+        "from common.tokenizer import MissingDependency, load_tokenizer\n"
+        "try:\n"
+        "    load_tokenizer('smollm2')\n"
+        "except MissingDependency as exc:\n"
+        "    print(exc.packages, exc)\n"
+    )
+    env = {**os.environ, "REGEN_HOME": str(tmp_path)}  # an empty cache: a real conversion
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert "('torch',)" in run.stdout and "pip install torch" in run.stdout, run.stdout
 
 
 # --- families and template kwargs -------------------------------------------------------
