@@ -5,28 +5,27 @@ Same request shape as the HTTP engine (`input_ids`, `sampling_params`, `rid`) th
 imported only here and only when this engine is built: importing it needs CUDA, and the
 rest of regen must run without it (`pip install regen[sglang]` on GPU hosts).
 
-How SGLang 0.5 reports trouble in-process (its tokenizer manager), and what it means here:
-
-| SGLang raises                                   | meaning                | here            |
-|-------------------------------------------------|------------------------|-----------------|
-| ValueError "Duplicate request ID detected"      | an earlier attempt of  | EngineUnavailable|
-|                                                 | this rid still runs    | (retry)         |
-| ValueError (too long, invalid request)          | the prompt is bad      | PromptRejected  |
-| HTTPException 400 / 413 / 422                   | the prompt is bad      | PromptRejected  |
-| HTTPException 429 / 503 (queue full), other 5xx | the engine is busy/sick| EngineUnavailable|
-| a reply with finish_reason "abort"              | aborted (shutdown)     | EngineUnavailable|
+How SGLang 0.5 reports trouble in-process (its tokenizer manager): where its HTTP server
+would answer 400, it raises ValueError (too long, invalid, "Duplicate request ID
+detected"); for a scheduler abort with another status (503 queue full, 500) it raises
+fastapi's HTTPException (`status_code`, `detail`). Both go through the HTTP engine's
+`classify_status`, so a status means the same here as from a server: a bad prompt is
+rejected, a duplicate rid or a busy or failing engine is retried. An aborted reply and
+any other exception are retried too: never a reason to dead-letter a prompt.
 
 A crashed scheduler makes SGLang kill this whole process (its SIGQUIT handler), so the
 worker's chunks are redelivered and the chunk-attempt cap catches a poison prompt.
 
 Tests run this module against `tests/sglang_standin/offline_engine.py`, a stand-in for
-`sglang.Engine` that keeps this contract; a real GPU run is `scripts/gpu_check_sglang_engine.sh`.
+`sglang.Engine` that keeps this contract, and `scripts/check_sglang_api.py` checks the
+API it calls in SGLang's own source.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from http import HTTPStatus
 from typing import Any
 
 from common import defaults
@@ -37,13 +36,10 @@ from consumers.generate.engine import (
     PromptRejected,
 )
 from consumers.generate.engines.sglang_replies import (
-    OVERLOAD_STATUSES,
-    REJECT_STATUSES,
     Failure,
+    classify_status,
     result_from_reply,
 )
-
-DUPLICATE_RID = "Duplicate request ID"
 
 
 class SGLangInProcessEngine:
@@ -128,22 +124,18 @@ class SGLangInProcessEngine:
     def _translate(self, exc: Exception) -> Exception:
         """SGLang's exception for one request, as PromptRejected or EngineUnavailable."""
         status = getattr(exc, "status_code", None)  # fastapi.HTTPException, without fastapi
+        if not isinstance(status, int):
+            if not isinstance(exc, ValueError):
+                self._count("error")
+                return EngineUnavailable(f"{type(exc).__name__}: {exc}")
+            status = HTTPStatus.BAD_REQUEST  # what SGLang's server answers a ValueError with
         message = str(getattr(exc, "detail", None) or exc)
-        if isinstance(status, int):
-            if status in REJECT_STATUSES:
-                self._count("rejected")
-                return PromptRejected(message, server=self._label)
-            self._count("overloaded" if status in OVERLOAD_STATUSES else "server_error")
-            return EngineUnavailable(f"HTTP {status}: {message}")
-        if isinstance(exc, ValueError):
-            if DUPLICATE_RID in message:
-                self._count("duplicate_rid")
-                return EngineUnavailable(message)
+        outcome = classify_status(status, message, self._label)
+        if isinstance(outcome, PromptRejected):
             self._count("rejected")
-            return PromptRejected(message, server=self._label)
-        # Anything else is SGLang failing, not the prompt: never a reason to dead-letter.
-        self._count("error")
-        return EngineUnavailable(f"{type(exc).__name__}: {exc}")
+            return outcome
+        self._count(outcome.kind)
+        return EngineUnavailable(outcome.message)
 
     def _abort(self, rid: str) -> None:
         manager = getattr(self._engine, "tokenizer_manager", None)

@@ -65,7 +65,12 @@ def transport_failure(exc: aiohttp.ClientError | asyncio.TimeoutError) -> Failur
 
 def classify_error(status: int, body: bytes, server: str) -> Failure | PromptRejected:
     """The exception for a non-200 reply (returned, for the caller to raise)."""
-    message = error_message(status, body)
+    return classify_status(status, error_message(status, body), server)
+
+
+def classify_status(status: int, message: str, server: str) -> Failure | PromptRejected:
+    """The exception for an error status and its message, however SGLang reported them
+    (an HTTP reply, or an exception raised by the in-process engine)."""
     if status in REJECT_STATUSES:
         if "Duplicate request ID" in message:
             return Failure("duplicate_rid", message, bad=True)
