@@ -8,7 +8,7 @@ import click
 import orjson
 
 from common import defaults
-from regen.options import json_object, prepare_job_or_fail, target_options
+from regen.options import prepare_job_or_fail, target_options, tokenizer_options
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
@@ -119,25 +119,7 @@ def plan(
 
 
 @click.command()
-@click.option(
-    "--model",
-    required=True,
-    envvar="REGEN_MODEL",
-    help="HF model folder, a .gguf file, or 'smollm2'.",
-)
-@click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
-)
-@click.option(
-    "--chat-template-kwargs",
-    callback=json_object,
-    default=None,
-    metavar="JSON",
-    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
-)
+@tokenizer_options
 @_json_option
 def preflight(
     model: str,

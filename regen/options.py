@@ -48,23 +48,47 @@ def prepare_job_or_fail(options: Any) -> Any:
         raise click.ClickException(str(exc)) from exc
 
 
+# What loads the target's tokenizer and shapes its chat template.
+_MODEL = click.option(
+    "--model",
+    required=True,
+    envvar="REGEN_MODEL",
+    help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
+)
+_TOKENIZER = click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
+_TRUST_REMOTE_CODE = click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
+)
+_CHAT_TEMPLATE_KWARGS = click.option(
+    "--chat-template-kwargs",
+    callback=json_object,
+    default=None,
+    metavar="JSON",
+    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
+)
+
+
+def _apply(func: F, decorators: list[Callable[[F], F]]) -> F:
+    for decorator in reversed(decorators):  # the first listed shows first in --help
+        func = decorator(func)
+    return func
+
+
+def tokenizer_options(func: F) -> F:
+    """The target's tokenizer and chat template kwargs (`preflight`)."""
+    return _apply(func, [_MODEL, _TOKENIZER, _TRUST_REMOTE_CODE, _CHAT_TEMPLATE_KWARGS])
+
+
 def target_options(func: F) -> F:
     """What decides the prompt ids the server gets: the model, its tokenizer and chat
     template settings, and the limits on prompts. `enqueue` and `plan` share them, so a
     plan counts exactly what an enqueue would send."""
-    decorators = [
-        click.option(
-            "--model",
-            required=True,
-            envvar="REGEN_MODEL",
-            help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
-        ),
-        click.option("--tokenizer", default=None, help="Load the tokenizer from here instead."),
-        click.option(
-            "--trust-remote-code",
-            is_flag=True,
-            help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
-        ),
+    return _apply(func, [
+        _MODEL,
+        _TOKENIZER,
+        _TRUST_REMOTE_CODE,
         click.option(
             "--max-new-tokens",
             type=click.IntRange(min=1),
@@ -78,13 +102,7 @@ def target_options(func: F) -> F:
             help="Thinking mode, mapped to the chat template's switch "
             "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
         ),
-        click.option(
-            "--chat-template-kwargs",
-            callback=json_object,
-            default=None,
-            metavar="JSON",
-            help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
-        ),
+        _CHAT_TEMPLATE_KWARGS,
         click.option(
             "--system-prompt", default=None, help="System message for rows that have none."
         ),
@@ -100,7 +118,4 @@ def target_options(func: F) -> F:
             default=None,
             help="The server's context length (default: from the model's config).",
         ),
-    ]
-    for decorator in reversed(decorators):
-        func = decorator(func)
-    return func
+    ])  # fmt: skip
