@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,20 @@ def regen_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "regen-home"
     monkeypatch.setenv("REGEN_HOME", str(home))
     return home
+
+
+@pytest.fixture
+def needs_missing_package_dir(tmp_path: Path) -> Path:
+    """A remote-code tokenizer folder whose code imports a package that is not installed
+    (`regen_test_absent_package`): a real import failure, as a missing tiktoken gives."""
+    folder = tmp_path / "needs-missing-package"
+    folder.mkdir()
+    auto_map = {"AutoTokenizer": ["tokenization_needy.NeedyTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map}))
+    (folder / "tokenization_needy.py").write_text(
+        "import regen_test_absent_package\n\n\nclass NeedyTokenizer:\n    pass\n"
+    )
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -302,15 +302,8 @@ def test_preflight_kimi_without_remote_code_fails(kimi_tokenizer_dir: Path) -> N
     assert text.startswith("✗ tokenizer:") and "NOT ready" in text
 
 
-def test_preflight_names_a_missing_package(tmp_path: Path) -> None:
-    folder = tmp_path / "needs-missing-package"
-    folder.mkdir()
-    auto_map = {"AutoTokenizer": ["tokenization_needy.NeedyTokenizer", None]}
-    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map}))
-    (folder / "tokenization_needy.py").write_text(
-        "import regen_test_absent_package\n\n\nclass NeedyTokenizer:\n    pass\n"
-    )
-    code, checks = checks_by_name("--model", str(folder), "--trust-remote-code")
+def test_preflight_names_a_missing_package(needs_missing_package_dir: Path) -> None:
+    code, checks = checks_by_name("--model", str(needs_missing_package_dir), "--trust-remote-code")
     assert code == 1
     assert "pip install regen_test_absent_package" in checks["tokenizer"]["detail"]
 

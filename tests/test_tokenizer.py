@@ -128,17 +128,9 @@ def test_remote_code_needs_the_flag(kimi_tokenizer_dir: Path) -> None:
         load_tokenizer(str(kimi_tokenizer_dir))
 
 
-def test_missing_package_is_named_with_its_pip_command(tmp_path: Path) -> None:
-    # Remote code importing a package that is not installed: a real import failure.
-    folder = tmp_path / "needs-missing-package"
-    folder.mkdir()
-    auto_map = {"AutoTokenizer": ["tokenization_needy.NeedyTokenizer", None]}
-    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map}))
-    (folder / "tokenization_needy.py").write_text(
-        "import regen_test_absent_package\n\n\nclass NeedyTokenizer:\n    pass\n"
-    )
+def test_missing_package_is_named_with_its_pip_command(needs_missing_package_dir: Path) -> None:
     with pytest.raises(MissingDependency, match="pip install regen_test_absent_package") as err:
-        load_tokenizer(str(folder), trust_remote_code=True)
+        load_tokenizer(str(needs_missing_package_dir), trust_remote_code=True)
     assert err.value.packages == ("regen_test_absent_package",)
 
 
