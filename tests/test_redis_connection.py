@@ -65,32 +65,23 @@ def test_embedded_redis_starts_once_persists_and_stops(
         EmbeddedRedis.from_env().stop()
 
 
+def run_enqueue(
+    url: str, data: Path, job: str, *options: str, verbose: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`regen enqueue` of `data` into `job` with SmolLM2, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "regen", *(["-vv"] if verbose else []), "enqueue", str(data),
+         "--job", job, "--model", "smollm2", "--max-new-tokens", "16", *options,
+         "--redis-url", url],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+
+
 def test_a_password_url_works_and_never_shows(tmp_path: Path) -> None:
     with running_redis(tmp_path / "redis", "--requirepass", SECRET) as server:
         url = f"redis://:{SECRET}@127.0.0.1:{server.port}/0"
         data = write_jsonl(tmp_path / "d.jsonl", user_rows(5))
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "regen",
-                "-vv",
-                "enqueue",
-                str(data),
-                "--job",
-                "p",
-                "--model",
-                "smollm2",
-                "--max-new-tokens",
-                "16",
-                "--redis-url",
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
-        )
+        result = run_enqueue(url, data, "p", verbose=True)
         assert result.returncode == 0, result.stderr
         assert SECRET not in result.stdout + result.stderr
         assert ":***@" in result.stderr
@@ -140,29 +131,7 @@ def test_a_tls_url_carries_a_whole_run(tmp_path: Path) -> None:
     ):
         url = f"rediss://:{SECRET}@127.0.0.1:{tls_port}/0?ssl_ca_certs={ca_path}"
         data = write_jsonl(tmp_path / "d.jsonl", user_rows(6))
-        enqueue = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "regen",
-                "enqueue",
-                str(data),
-                "--job",
-                "g",
-                "--model",
-                "smollm2",
-                "--max-new-tokens",
-                "16",
-                "--chunk-size",
-                "3",
-                "--redis-url",
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
-        )
+        enqueue = run_enqueue(url, data, "g", "--chunk-size", "3")
         assert enqueue.returncode == 0, enqueue.stderr
         r = redis.Redis.from_url(url)
         spec = jobspec.load(r, "g")
