@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,19 @@ pytestmark = pytest.mark.slow
 PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
 
 
+def http_worker(url: str, tmp_path: Path, *servers: str, options: tuple[str, ...] = ()) -> Worker:
+    """A worker with the SGLang HTTP engine on these stand-ins, serving job "g"."""
+    server_args = [arg for server in servers for arg in ("--server", server)]
+    return Worker(url, tmp_path, "--engine", "sglang", *server_args, "--jobs", "g", *options)
+
+
 def test_results_are_exactly_the_servers_output(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
     with (
         run_standin() as server,
-        Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
+        http_worker(redis_url, tmp_path, server.url),
     ):
         wait_for(
             lambda: all_generated(r, spec),
@@ -62,7 +67,7 @@ def test_transient_failures_are_retried(redis_url: str, r: redis.Redis, tmp_path
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
     with (
         run_standin(fault=("500:2", "503:3", "drop:2")) as server,
-        Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
+        http_worker(redis_url, tmp_path, server.url),
     ):
         wait_for(
             lambda: all_generated(r, spec),
@@ -82,7 +87,7 @@ def test_a_prompt_too_long_for_the_server_is_dead_lettered_alone(
     spec = enqueue_prompts(redis_url, tmp_path, [*PROMPTS[:5], long_prompt])
     with (
         run_standin(context_length=300) as server,
-        Worker(redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"),
+        http_worker(redis_url, tmp_path, server.url),
     ):
         wait_for(
             lambda: all_acked(r, spec) and len(result_ids(r, "g")) == 5,
@@ -102,13 +107,14 @@ def test_a_server_that_dies_and_returns_pauses_the_worker_without_dead_letters(
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS * 1 + [p + "?" for p in PROMPTS])
     with (
         run_standin(decode_tokens_per_s=40) as server,
-        Worker(
-            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-        ) as worker,
+        http_worker(redis_url, tmp_path, server.url) as worker,
     ):
         wait_for(lambda: len(result_ids(r, "g")) >= 2, timeout=120, what="first results")
         server.kill()
-        time.sleep(3)  # down for a while: requests in flight fail, new ones must wait
+        # Requests in flight fail and the worker stops taking chunks until it is back.
+        wait_for(
+            lambda: "engine is UNHEALTHY" in worker.log(), timeout=60, what="the worker to pause"
+        )
         assert worker.process.poll() is None
         server.restart()
         wait_for(
@@ -127,20 +133,7 @@ def test_two_servers_share_the_load_and_one_dying_shifts_it(
     with (
         run_standin(decode_tokens_per_s=60, max_running_requests=4) as a,
         run_standin(decode_tokens_per_s=60, max_running_requests=4) as b,
-        Worker(
-            redis_url,
-            tmp_path,
-            "--engine",
-            "sglang",
-            "--server",
-            a.url,
-            "--server",
-            b.url,
-            "--max-inflight",
-            "4",
-            "--jobs",
-            "g",
-        ),
+        http_worker(redis_url, tmp_path, a.url, b.url, options=("--max-inflight", "4")),
     ):
         wait_for(lambda: len(result_ids(r, "g")) >= 8, timeout=120, what="first results")
         served = {res.server for res in results(r, "g")}
@@ -163,15 +156,11 @@ def test_a_worker_killed_mid_chunk_has_its_chunk_redelivered(
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS[:8], chunk_size=8)
     with run_standin(decode_tokens_per_s=30) as server:
-        doomed = Worker(
-            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-        )
+        doomed = http_worker(redis_url, tmp_path, server.url)
         wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="a first result")
         doomed.kill()
         assert len(result_ids(r, "g")) < 8, "the chunk finished before the kill"
-        with Worker(
-            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-        ):
+        with http_worker(redis_url, tmp_path, server.url):
             wait_for(
                 lambda: all_generated(r, spec),
                 timeout=180,
@@ -201,18 +190,7 @@ def test_a_long_outage_gives_chunks_back_without_spending_attempts(
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS[:8], chunk_size=4)
     with (
         run_standin(decode_tokens_per_s=20) as server,
-        Worker(
-            redis_url,
-            tmp_path,
-            "--engine",
-            "sglang",
-            "--server",
-            server.url,
-            "--jobs",
-            "g",
-            "--max-attempts",
-            "1",
-        ) as worker,
+        http_worker(redis_url, tmp_path, server.url, options=("--max-attempts", "1")) as worker,
     ):
         wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="first results")
         server.kill()
@@ -233,18 +211,14 @@ def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS, chunk_size=4)
     with run_standin(decode_tokens_per_s=40) as server:
-        worker = Worker(
-            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-        )
+        worker = http_worker(redis_url, tmp_path, server.url)
         wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="first results")
         worker.stop()  # SIGTERM: stop taking chunks, finish (or return) those held
         assert worker.process.returncode == 0, worker.log()
         assert r.hlen("unacked") == 0, "a held chunk was neither finished nor returned"
         finished = result_ids(r, "g")
         assert finished and finished < enqueued_ids(r, "g"), "it kept taking chunks"
-        with Worker(
-            redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g"
-        ):
+        with http_worker(redis_url, tmp_path, server.url):
             wait_for(
                 lambda: all_generated(r, spec),
                 timeout=180,
