@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
@@ -56,6 +57,16 @@ def tls_options(url: str) -> dict[str, object]:
 def client(url: str) -> redis.Redis:
     """A client that returns bytes; callers decode what they need."""
     return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+
+
+# client() replies are bytes, but redis-py's stubs type them as bytes | str whatever the
+# client: these tell the type checker what a set or hash reply really holds.
+def bytes_set(reply: Any) -> set[bytes]:
+    return cast("set[bytes]", reply)
+
+
+def bytes_hash(reply: Any) -> dict[bytes, bytes]:
+    return cast("dict[bytes, bytes]", reply)
 
 
 def resolve_url(url: str | None) -> str:

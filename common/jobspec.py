@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import redis
 
 from common import keys
+from common.connection import bytes_set
 
 SPEC_VERSION = 1
 
@@ -148,5 +149,4 @@ def load(r: redis.Redis, job: str) -> JobSpec:
 
 
 def list_jobs(r: redis.Redis) -> list[str]:
-    # The client returns bytes (no decode_responses); redis-py's stubs say bytes | str.
-    return sorted(m.decode() for m in cast("set[bytes]", r.smembers(keys.JOBS)))
+    return sorted(m.decode() for m in bytes_set(r.smembers(keys.JOBS)))

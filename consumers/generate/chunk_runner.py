@@ -28,6 +28,7 @@ from redis.typing import EncodableT, FieldT
 from common import defaults, dlq, jobspec, keys
 from common.celery_app import visibility_timeout
 from common.chunk import Chunk, ChunkPrompt
+from common.connection import bytes_set
 from common.heartbeat import RateMeter
 from common.results import GeneratedResult
 from consumers.generate.engine import (
@@ -271,9 +272,7 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
 
 def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
     attempt, history = start_attempt(ctx, chunk)
-    # The client returns bytes (no decode_responses); redis-py's stubs say bytes | str.
-    settled_key = keys.chunk_generated(chunk.job, chunk.chunk_id)
-    settled = cast("set[bytes]", ctx.redis.smembers(settled_key))
+    settled = bytes_set(ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id)))
     done = {m.decode() for m in settled}
     todo = [p for p in chunk.prompts if p.id not in done]
     # "started" entries other than this one are deliveries whose worker died.

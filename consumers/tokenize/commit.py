@@ -26,15 +26,12 @@ import orjson
 import redis
 
 from common import defaults, keys
+from common.connection import bytes_hash
 
 # A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
 # recovery (after expiry) never races a rename.
 LEASE_S = defaults.SHARD_LEASE_S
 LEASE_MARGIN_S = LEASE_S / 2
-
-# Replies are bytes: common.connection.client() leaves decode_responses off, but
-# redis-py's stubs type them as bytes | str whatever the client, hence the casts below.
-_Hash = dict[bytes, bytes]
 
 _CLAIM_LUA = """
 local taken = {}
@@ -124,11 +121,12 @@ class CommitLedger:
         """The shard each id is committed (or claimed) to, None when free."""
         if not ids:
             return []
+        # Bytes, as every client() reply; the stubs say bytes | str.
         values = cast("list[bytes | None]", self._r.hmget(keys.committed(self._job), ids))
         return [v.decode() if v is not None else None for v in values]
 
     def pending(self) -> dict[str, PendingShard]:
-        raw = cast(_Hash, self._r.hgetall(keys.pending_shards(self._job)))
+        raw = bytes_hash(self._r.hgetall(keys.pending_shards(self._job)))
         return {k.decode(): PendingShard(**orjson.loads(v)) for k, v in raw.items()}
 
     def claim(self, shard: str, owner: str, ids: list[str]) -> tuple[list[str], PendingShard]:
@@ -165,5 +163,5 @@ class CommitLedger:
         return bool(done)
 
     def shards(self) -> dict[str, bytes]:
-        raw = cast(_Hash, self._r.hgetall(keys.shards(self._job)))
+        raw = bytes_hash(self._r.hgetall(keys.shards(self._job)))
         return {k.decode(): v for k, v in raw.items()}

@@ -20,6 +20,7 @@ import redis
 
 from common import defaults, jobspec, keys
 from common.chat_family import detect_family
+from common.connection import bytes_hash
 from common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from consumers.tokenize.record import RecordContext
@@ -126,9 +127,7 @@ class TokenizeConsumer:
     def _live_owners(self) -> set[str]:
         now = time.time()
         owners = set()
-        # The client returns bytes (no decode_responses); redis-py's stubs say bytes | str.
-        beats = cast("dict[bytes, bytes]", self._r.hgetall(keys.WORKERS))
-        for name, raw in beats.items():
+        for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
             beat = orjson.loads(raw)
             if now - beat.get("last_seen", 0) < defaults.HEARTBEAT_STALE_S:
                 owners.add(name.decode())
