@@ -72,7 +72,8 @@ class Worker:
                 self.kill()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
+        """The whole log: a search must not miss a line that a long traceback pushed out."""
+        return self.log_path.read_text(errors="replace")
 
     def __enter__(self) -> Worker:
         return self

@@ -204,6 +204,8 @@ def test_a_long_outage_gives_chunks_back_without_spending_attempts(
         )
     # With --max-attempts 1 any counted failure would have dead-lettered the chunk.
     assert dlq.count(r, "g", "generate") == 0
+    # An outage gives back every chunk held: one line each, not a chained traceback each.
+    assert "direct cause" not in worker.log()
 
 
 def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(

@@ -47,14 +47,16 @@ def register(app: Celery, ctx: ChunkContext) -> None:
             outcome = run_chunk(ctx, chunk)
         except ChunkDeferred as exc:
             log.warning("chunk %s: engine unavailable for too long; giving it back", chunk.chunk_id)
-            raise Reject(exc, requeue=True) from exc
+            # `from None`: Celery logs every Reject with its traceback, and the chained
+            # one says nothing the line above does not (an outage gives back each chunk).
+            raise Reject(f"engine unavailable: {exc}", requeue=True) from None
         except Exception as exc:
             # Give the chunk back rather than let Celery ack a failure (acks_late acks
             # failed tasks); run_chunk's attempt cap turns a chunk that always fails into
             # dead letters. The pause keeps a persistent error from spinning.
             log.exception("chunk %s failed; returning it to the queue", chunk.chunk_id)
             time.sleep(REQUEUE_PAUSE_S)
-            raise Reject(exc, requeue=True) from exc
+            raise Reject(repr(exc), requeue=True) from None  # the traceback is logged above
         log.info(
             "chunk %s of %s: %d generated, %d already done, %d dead-lettered",
             chunk.chunk_id,
