@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Short enough that a killed worker's chunk comes back within a test, long enough that a
 # healthy chunk finishes first.
 VISIBILITY_TIMEOUT_S = 8
+# Short chat prompts, each with its own answer, for the generate-stage tests.
+PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
 
 
 def enqueue_prompts(

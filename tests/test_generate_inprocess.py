@@ -13,6 +13,7 @@ import redis
 
 from common import dlq, keys
 from tests.generate_harness import (
+    PROMPTS,
     REPO,
     Worker,
     all_acked,
@@ -29,7 +30,6 @@ from tests.sglang_standin.offline_engine import CONFIG_ENV
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
 SHORT = "lognormal:mean=30,sigma=0.5,min=2,max=200"
 
 

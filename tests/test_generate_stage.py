@@ -9,6 +9,7 @@ import redis
 
 from common import dlq, jobspec, keys
 from tests.generate_harness import (
+    PROMPTS,
     Worker,
     all_acked,
     all_generated,
@@ -22,8 +23,6 @@ from tests.helpers import wait_for
 from tests.sglang_standin.process import run_standin
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
 
 
 def http_worker(url: str, tmp_path: Path, *servers: str, options: tuple[str, ...] = ()) -> Worker:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from http import HTTPStatus
 from typing import Any
 
@@ -79,7 +80,7 @@ class SGLangInProcessEngine:
         self._slots: asyncio.Semaphore | None = None
         self._inflight = 0
         self._completed = 0
-        self._failures: dict[str, int] = {}
+        self._failures: Counter[str] = Counter()
         self._closed = False
 
     async def generate(
@@ -116,7 +117,7 @@ class SGLangInProcessEngine:
         try:
             result = result_from_reply(reply, request, self._label, started)
         except Failure as exc:
-            self._count(exc.kind)
+            self._failures[exc.kind] += 1
             raise EngineUnavailable(exc.message) from exc
         self._completed += 1
         return result
@@ -126,24 +127,21 @@ class SGLangInProcessEngine:
         status = getattr(exc, "status_code", None)  # fastapi.HTTPException, without fastapi
         if not isinstance(status, int):
             if not isinstance(exc, ValueError):
-                self._count("error")
+                self._failures["error"] += 1
                 return EngineUnavailable(f"{type(exc).__name__}: {exc}")
             status = HTTPStatus.BAD_REQUEST  # what SGLang's server answers a ValueError with
         message = str(getattr(exc, "detail", None) or exc)
         outcome = classify_status(status, message, self._label)
         if isinstance(outcome, PromptRejected):
-            self._count("rejected")
+            self._failures["rejected"] += 1
             return outcome
-        self._count(outcome.kind)
+        self._failures[outcome.kind] += 1
         return EngineUnavailable(outcome.message)
 
     def _abort(self, rid: str) -> None:
         manager = getattr(self._engine, "tokenizer_manager", None)
         if manager is not None:
             manager.abort_request(rid=rid)
-
-    def _count(self, kind: str) -> None:
-        self._failures[kind] = self._failures.get(kind, 0) + 1
 
     async def health(self) -> bool:
         return not self._closed
