@@ -24,7 +24,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import keys
+from regen.common import keys
 from tests.generate_harness import Worker, enqueue_prompts
 from tests.redis_server import running_redis
 from tests.sglang_standin.process import run_standin

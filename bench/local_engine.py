@@ -14,9 +14,9 @@ import argparse
 import asyncio
 import time
 
-from common.tokenizer import load_tokenizer
-from consumers.generate.engine import GenerateRequest
-from consumers.generate.engines.local import LocalEngine
+from regen.common.tokenizer import load_tokenizer
+from regen.consumers.generate.engine import GenerateRequest
+from regen.consumers.generate.engines.local import LocalEngine
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "What is 2+2?",

@@ -21,11 +21,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.fixtures
 
-from common.chat_family import detect_family, render_prompt_ids
-from common.jobspec import JobSpec
-from common.results import GeneratedResult
-from common.tokenizer import load_tokenizer
-from consumers.tokenize.record import RecordContext, build_record
+from regen.common.chat_family import detect_family, render_prompt_ids
+from regen.common.jobspec import JobSpec
+from regen.common.results import GeneratedResult
+from regen.common.tokenizer import load_tokenizer
+from regen.consumers.tokenize.record import RecordContext, build_record
 from tests.fixtures.kimi_tokenizer import build_kimi_tokenizer
 from tests.sglang_standin.completer import SENTENCES
 

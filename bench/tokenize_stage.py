@@ -26,10 +26,10 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import jobspec, keys
-from consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
-from consumers.tokenize.job_writer import ShardPolicy
-from producer.spec import JobOptions, prepare_job
+from regen.common import jobspec, keys
+from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
+from regen.consumers.tokenize.job_writer import ShardPolicy
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import make_result
 from tests.redis_server import running_redis
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import orjson
 import redis
 
-from common import keys
-from common.jobspec import JobSpec
-from common.queues import queue_lists
+from regen.common import keys
+from regen.common.jobspec import JobSpec
+from regen.common.queues import queue_lists
 
 # Messages per script call: each call copies this many (possibly MB-sized) messages
 # inside Redis, so keep it small enough that Redis never stalls on one call.

@@ -11,8 +11,8 @@ import os
 
 from celery import Celery
 
-from common import defaults
-from common.connection import is_tls, tls_options
+from regen.common import defaults
+from regen.common.connection import is_tls, tls_options
 
 GENERATE_TASK = "regen.generate_chunk"
 

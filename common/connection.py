@@ -80,6 +80,6 @@ def resolve_url(url: str | None) -> str:
     env = os.environ.get(ENV_URL)
     if env:
         return env
-    from common.embedded_redis import EmbeddedRedis
+    from regen.common.embedded_redis import EmbeddedRedis
 
     return EmbeddedRedis.from_env().ensure_running()

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import keys
+from regen.common import keys
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from common import defaults
+from regen.common import defaults
 
 
 def find_redis_server() -> str:

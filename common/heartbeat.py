@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import defaults, keys
+from regen.common import defaults, keys
 
 log = logging.getLogger("regen.heartbeat")
 

@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import redis
 
-from common import keys
-from common.connection import bytes_set
+from regen.common import keys
+from regen.common.connection import bytes_set
 
 SPEC_VERSION = 1
 

@@ -16,11 +16,11 @@ from typing import Any
 import orjson
 import redis
 
-from common import keys
-from common.accounting import ENTRIES_PER_CALL, MESSAGES_PER_CALL, run_script, text
-from common.jobspec import JobSpec
-from common.queues import queue_lists
-from common.results import FIELD
+from regen.common import keys
+from regen.common.accounting import ENTRIES_PER_CALL, MESSAGES_PER_CALL, run_script, text
+from regen.common.jobspec import JobSpec
+from regen.common.queues import queue_lists
+from regen.common.results import FIELD
 
 # KEYS[1]: a results stream; ARGV: start (inclusive, or exclusive with "("), count, field.
 # Returns {last entry id or '', prompt id, ...}: a GeneratedResult's JSON starts with "id".

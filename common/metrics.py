@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry, Counter, Info, start_http_serve
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common import jobspec, keys
-from common.celery_app import GENERATE_TASK
+from regen.common import jobspec, keys
+from regen.common.celery_app import GENERATE_TASK
 
 if TYPE_CHECKING:  # typing only: common never imports the stages at run time
-    from consumers.generate.chunk_runner import ChunkContext
-    from consumers.tokenize.consumer import ConsumerState
+    from regen.consumers.generate.chunk_runner import ChunkContext
+    from regen.consumers.tokenize.consumer import ConsumerState
 
 log = logging.getLogger("regen.metrics")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from common import keys
-from common.jobspec import JobSpec
+from regen.common import keys
+from regen.common.jobspec import JobSpec
 
 # kombu's Redis transport keeps one list per priority step; a plain publish goes to the
 # queue's own list, but count them all so a priority never hides work.

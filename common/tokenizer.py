@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common import gguf_header, tokenizer_cache
-from common.tokenizer_cache import CACHE_MARKER as CACHE_MARKER
-from common.tokenizer_fingerprint import tokenizer_fingerprint as tokenizer_fingerprint
+from regen.common import gguf_header, tokenizer_cache
+from regen.common.tokenizer_cache import CACHE_MARKER as CACHE_MARKER
+from regen.common.tokenizer_fingerprint import tokenizer_fingerprint as tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

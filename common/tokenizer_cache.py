@@ -17,13 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common import defaults
-from common.tokenizer_fingerprint import tokenizer_fingerprint
+from regen.common import defaults
+from regen.common.tokenizer_fingerprint import tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-log = logging.getLogger("common.tokenizer")  # the tokenizer's warnings, under one name
+log = logging.getLogger("regen.common.tokenizer")  # the tokenizer's warnings, under one name
 
 CACHE_MARKER = "regen-tokenizer-cache.json"
 

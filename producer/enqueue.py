@@ -20,13 +20,13 @@ import redis
 from celery import Celery
 from redis.typing import EncodableT, FieldT
 
-from common import chat_family, dlq, keys
-from common.chunk import Chunk, ChunkPrompt
-from common.queues import waiting_chunks
-from producer.publish import ChunkPublisher
-from producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
-from producer.rows import BadRow, Prompt, to_prompt
-from producer.spec import PreparedJob
+from regen.common import chat_family, dlq, keys
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.queues import waiting_chunks
+from regen.producer.publish import ChunkPublisher
+from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
+from regen.producer.rows import BadRow, Prompt, to_prompt
+from regen.producer.spec import PreparedJob
 
 BACKPRESSURE_POLL_S = 0.5
 # The input DLQ keeps this much of a bad row, enough to see what was wrong with it.

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.prompt_scan import DEFAULT_SAMPLE, PromptScan, percentile, scan_prompts
-from producer.record_size import RecordModelError, RecordSizeModel, measure
-from producer.spec import PreparedJob
+from regen.producer.prompt_scan import DEFAULT_SAMPLE, PromptScan, percentile, scan_prompts
+from regen.producer.record_size import RecordModelError, RecordSizeModel, measure
+from regen.producer.spec import PreparedJob
 
 SECONDS_PER_DAY = 86_400
 # Output tokens per second per server when none is given: the figure of the 900K-prompt

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from producer.enqueue import EnqueueStats
+from regen.producer.enqueue import EnqueueStats
 
 LOG_EVERY_S = 10.0
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.chat_family import render_prompt_ids
-from producer.readers import iter_rows
-from producer.record_size import Example
-from producer.rows import BadRow, Prompt, to_prompt
-from producer.spec import PreparedJob
+from regen.common.chat_family import render_prompt_ids
+from regen.producer.readers import iter_rows
+from regen.producer.record_size import Example
+from regen.producer.rows import BadRow, Prompt, to_prompt
+from regen.producer.spec import PreparedJob
 
 # The reasons `producer.enqueue` dead-letters a readable prompt with.
 TEMPLATE_ERROR = "template_error"

@@ -18,8 +18,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from common import keys
-from common.celery_app import GENERATE_TASK
+from regen.common import keys
+from regen.common.celery_app import GENERATE_TASK
 
 # KEYS: ids set, chunks hash, cursors hash, counters hash, then one key per LPUSH.
 # ARGV: chunk id, number of ids, number of cursor pairs, ids..., cursor pairs..., messages...

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from producer.rows import Reason
+from regen.producer.rows import Reason
 
 _BOM = b"\xef\xbb\xbf"
 # Compressed bytes fed to the zstd decoder per step. A step's output is held whole, so

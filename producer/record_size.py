@@ -38,12 +38,12 @@ from typing import Any
 import orjson
 import zstandard
 
-from common.chat_family import prompt_opens_think
-from common.results import GeneratedResult
-from consumers.tokenize.record import CheckFailed, RecordContext, build_record
-from consumers.tokenize.shard_writer import ZSTD_LEVEL
-from producer.rows import Prompt
-from producer.spec import PreparedJob
+from regen.common.chat_family import prompt_opens_think
+from regen.common.results import GeneratedResult
+from regen.consumers.tokenize.record import CheckFailed, RecordContext, build_record
+from regen.consumers.tokenize.shard_writer import ZSTD_LEVEL
+from regen.producer.rows import Prompt
+from regen.producer.spec import PreparedJob
 
 # Answer lengths the records are measured at: long enough that per-token costs dominate
 # the fixed ones, short enough to build in a second or two.

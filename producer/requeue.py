@@ -29,11 +29,11 @@ import orjson
 import redis
 from celery import Celery
 
-from common import chat_family, crashpoints, dlq, keys
-from common.chunk import Chunk, ChunkPrompt
-from common.jobspec import SAMPLING_KEYS, JobSpec, JobSpecError
-from common.results import FIELD, GeneratedResult
-from producer.publish import ChunkPublisher
+from regen.common import chat_family, crashpoints, dlq, keys
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.jobspec import SAMPLING_KEYS, JobSpec, JobSpecError
+from regen.common.results import FIELD, GeneratedResult
+from regen.producer.publish import ChunkPublisher
 
 # Where a crash test stops a requeue: right after one step (a chunk, a re-check) is in.
 CRASHPOINT = "dlq.requeue_step"
@@ -213,7 +213,7 @@ class Requeuer:
             raise _Refused(self._tokenizer_refused)
         if self._tokenizer is None:
             # Imported here: transformers takes seconds, and only input entries need it.
-            from common.tokenizer import load_tokenizer, tokenizer_fingerprint
+            from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 
             spec = self._spec
             tok = load_tokenizer(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import chat_family, defaults, keys, tokenizer
-from common.jobspec import JobSpec
+from regen.common import chat_family, defaults, keys, tokenizer
+from regen.common.jobspec import JobSpec
 
 
 @dataclass(frozen=True)

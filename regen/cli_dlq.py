@@ -17,11 +17,11 @@ import click
 import orjson
 import redis
 
-from common import connection, dlq, jobspec, keys
+from regen.common import connection, dlq, jobspec, keys
 from regen.options import F, redis_url_option
 
 if TYPE_CHECKING:
-    from producer.requeue import RequeueReport
+    from regen.producer.requeue import RequeueReport
 
 
 def selection_options(func: F) -> F:
@@ -182,7 +182,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _parse_sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict:
-    from producer.requeue import RequeueError, parse_overrides
+    from regen.producer.requeue import RequeueError, parse_overrides
 
     try:
         return parse_overrides(value)
@@ -228,8 +228,8 @@ def requeue(
     midway loses nothing; run it again for the rest. An id that fails again comes back
     with its new reason.
     """
-    from common.celery_app import make_app
-    from producer.requeue import RequeueError, Requeuer, RequeueReport
+    from regen.common.celery_app import make_app
+    from regen.producer.requeue import RequeueError, Requeuer, RequeueReport
 
     url, r = _connect(redis_url)
     selection = _selection(r, job, stages, reasons)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from common import connection, defaults, jobspec
+from regen.common import connection, defaults, jobspec
 from regen.options import prepare_job_or_fail, redis_url_option, target_options
 
 
@@ -72,10 +72,10 @@ def enqueue(
     command continues where it stopped.
     """
     # Imported here: transformers takes seconds to import, `regen --help` should not.
-    from common.celery_app import make_app
-    from producer.enqueue import Enqueuer, expand_datasets
-    from producer.progress import ProgressDisplay, summary
-    from producer.spec import JobOptions
+    from regen.common.celery_app import make_app
+    from regen.producer.enqueue import Enqueuer, expand_datasets
+    from regen.producer.progress import ProgressDisplay, summary
+    from regen.producer.spec import JobOptions
 
     options = JobOptions(
         job=job,

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 import orjson
 
-from common import defaults
+from regen.common import defaults
 from regen.options import prepare_job_or_fail, target_options, tokenizer_options
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -82,10 +82,10 @@ def plan(
     limits) without touching Redis.
     """
     # Imported here: transformers takes seconds to import, `regen --help` should not.
-    from producer import plan as planning
-    from producer.enqueue import expand_datasets
-    from producer.prompt_scan import DEFAULT_SAMPLE
-    from producer.spec import JobOptions
+    from regen.producer import plan as planning
+    from regen.producer.enqueue import expand_datasets
+    from regen.producer.prompt_scan import DEFAULT_SAMPLE
+    from regen.producer.spec import JobOptions
 
     options = JobOptions(
         job=job,

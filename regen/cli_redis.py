@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from common.embedded_redis import EmbeddedRedis
+from regen.common.embedded_redis import EmbeddedRedis
 
 
 @click.group("redis")

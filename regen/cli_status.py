@@ -10,7 +10,7 @@ import click
 import orjson
 import redis
 
-from common import connection, jobspec
+from regen.common import connection, jobspec
 from regen.options import redis_url_option
 from regen.status_snapshot import RATE_WINDOW_S
 

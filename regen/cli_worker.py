@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from common import defaults
-from consumers.generate.engines import BUILTIN, EngineOptions
+from regen.common import defaults
+from regen.consumers.generate.engines import BUILTIN, EngineOptions
 from regen.options import F, json_object, redis_url_option
 
 
@@ -133,7 +133,7 @@ def generate(
     redis_url: str | None,
 ) -> None:
     """Generate completions for queued chunks with ENGINE (one worker per GPU host)."""
-    from consumers.generate.worker import WorkerOptions, run_worker
+    from regen.consumers.generate.worker import WorkerOptions, run_worker
 
     try:
         engine_options = EngineOptions(
@@ -249,10 +249,10 @@ def tokenize(
     """Write token-exact records of generated results into OUT/JOB/shard-*.jsonl.zst."""
     from pathlib import Path
 
-    from common.metrics import MetricsPortError
-    from consumers.tokenize.consumer import TokenizeOptions
-    from consumers.tokenize.job_writer import ShardPolicy
-    from consumers.tokenize.worker import run_worker as run_tokenize
+    from regen.common.metrics import MetricsPortError
+    from regen.consumers.tokenize.consumer import TokenizeOptions
+    from regen.consumers.tokenize.job_writer import ShardPolicy
+    from regen.consumers.tokenize.worker import run_worker as run_tokenize
 
     policy = ShardPolicy(
         max_rows=shard_rows,

@@ -21,13 +21,13 @@ import redis
 from rich.console import Console
 from rich.live import Live
 
-from common import connection, jobspec
-from common.accounting import count_places
-from common.celery_app import make_app
-from producer.enqueue import Enqueuer
-from producer.progress import ProgressDisplay, summary
-from producer.spec import JobOptions, prepare_job
+from regen.common import connection, jobspec
+from regen.common.accounting import count_places
+from regen.common.celery_app import make_app
 from regen.demo_report import show_record, show_summary
+from regen.producer.enqueue import Enqueuer
+from regen.producer.progress import ProgressDisplay, summary
+from regen.producer.spec import JobOptions, prepare_job
 from regen.status_snapshot import snapshot
 from regen.status_view import render
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import click
 import orjson
 
-from common import defaults
+from regen.common import defaults
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,8 +39,8 @@ def json_object(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 def prepare_job_or_fail(options: Any) -> Any:
     """`producer.spec.prepare_job`, its refusals shown as a command-line error."""
-    from common.jobspec import JobSpecError
-    from producer.spec import prepare_job
+    from regen.common.jobspec import JobSpecError
+    from regen.producer.spec import prepare_job
 
     try:
         return prepare_job(options)

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common import tokenizer as tokenizers
-from common.chat_family import ChatFamily, ChatTemplateError, detect_family, render_prompt_ids
+from regen.common import tokenizer as tokenizers
+from regen.common.chat_family import ChatFamily, ChatTemplateError, detect_family, render_prompt_ids
 
 Status = Literal["ok", "warn", "fail"]
 SYMBOLS: dict[Status, str] = {"ok": "✓", "warn": "!", "fail": "✗"}

@@ -34,9 +34,9 @@ from typing import Any
 
 import redis
 
-from common import accounting, keys, locate
-from common.accounting import text
-from common.jobspec import JobSpec
+from regen.common import accounting, keys, locate
+from regen.common.accounting import text
+from regen.common.jobspec import JobSpec
 from regen.reconcile_shards import (
     BATCH,
     batches,

@@ -18,8 +18,8 @@ import orjson
 import redis
 import zstandard
 
-from common import keys
-from common.accounting import text
+from regen.common import keys
+from regen.common.accounting import text
 
 BATCH = 1000
 SHARD_GLOB = "shard-*.jsonl.zst"

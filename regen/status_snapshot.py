@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 import redis
 
-from common import accounting, defaults, jobspec, keys
-from common.jobspec import JobSpec
+from regen.common import accounting, defaults, jobspec, keys
+from regen.common.jobspec import JobSpec
 
 # Rates are measured over about this much recent time.
 RATE_WINDOW_S = 600.0

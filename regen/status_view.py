@@ -11,7 +11,7 @@ from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 
-from common import keys
+from regen.common import keys
 
 
 def duration(seconds: float | None) -> str:

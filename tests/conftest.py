@@ -71,13 +71,13 @@ def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def kimi_tokenizer(kimi_tokenizer_dir: Path) -> Any:
-    from common.tokenizer import load_tokenizer
+    from regen.common.tokenizer import load_tokenizer
 
     return load_tokenizer(str(kimi_tokenizer_dir), trust_remote_code=True)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
-    from common.tokenizer import load_tokenizer
+    from regen.common.tokenizer import load_tokenizer
 
     return load_tokenizer("smollm2")

@@ -13,12 +13,12 @@ from typing import Any
 
 import redis
 
-from common import dlq, jobspec, keys
-from common.celery_app import make_app
-from common.queues import queued_chunks
-from common.results import GeneratedResult
-from producer.enqueue import Enqueuer
-from producer.spec import JobOptions, prepare_job
+from regen.common import dlq, jobspec, keys
+from regen.common.celery_app import make_app
+from regen.common.queues import queued_chunks
+from regen.common.results import GeneratedResult
+from regen.producer.enqueue import Enqueuer
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

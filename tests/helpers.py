@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import redis
 
-from common.queues import queue_lists
+from regen.common.queues import queue_lists
 
 
 def queued_chunks(r: redis.Redis, queue: str) -> list[dict[str, Any]]:
@@ -49,9 +49,9 @@ def user_rows(n: int, prefix: str = "Question", pad: int = 0) -> list[dict[str, 
 def make_result(tok: Any, spec: Any, i: int, answer: str | None = None) -> Any:
     """A result as the generate stage hands it over: real prompt ids, an answer's ids
     followed by the end-of-turn token (included, as SGLang returns it)."""
-    from common.chat_family import detect_family, render_prompt_ids
-    from common.results import GeneratedResult
-    from producer.rows import prompt_id
+    from regen.common.chat_family import detect_family, render_prompt_ids
+    from regen.common.results import GeneratedResult
+    from regen.producer.rows import prompt_id
 
     messages = [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"}]
     prompt_ids = render_prompt_ids(tok, messages, spec.chat_template_kwargs)

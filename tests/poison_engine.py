@@ -11,9 +11,9 @@ import os
 import signal
 from typing import Any
 
-from common.tokenizer import load_tokenizer
-from consumers.generate.engine import GenerateRequest, GenerateResult
-from consumers.generate.engines import EngineOptions
+from regen.common.tokenizer import load_tokenizer
+from regen.consumers.generate.engine import GenerateRequest, GenerateResult
+from regen.consumers.generate.engines import EngineOptions
 
 
 class PoisonEngine:

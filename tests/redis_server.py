@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from common.embedded_redis import find_redis_server, redis_config
+from regen.common.embedded_redis import find_redis_server, redis_config
 
 
 def free_port() -> int:

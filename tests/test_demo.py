@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from common.embedded_redis import EmbeddedRedis
-from consumers.tokenize.inspect import verify
-from consumers.tokenize.shard_writer import iter_records
+from regen.common.embedded_redis import EmbeddedRedis
+from regen.consumers.tokenize.inspect import verify
+from regen.consumers.tokenize.shard_writer import iter_records
 from tests.generate_harness import REPO
 from tests.redis_server import free_port
 from tests.sglang_standin.process import run_standin

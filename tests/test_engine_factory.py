@@ -8,10 +8,10 @@ import importlib.util
 import pytest
 from click.testing import CliRunner
 
-from consumers.generate.engine import Engine
-from consumers.generate.engines import EngineOptions, make_engine
-from consumers.generate.worker import WorkerOptions
 from regen import cli
+from regen.consumers.generate.engine import Engine
+from regen.consumers.generate.engines import EngineOptions, make_engine
+from regen.consumers.generate.worker import WorkerOptions
 from tests.poison_engine import PoisonEngine
 
 
@@ -40,7 +40,7 @@ def test_a_custom_engine_loads_from_module_and_factory(monkeypatch: pytest.Monke
 def engine_from_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> Engine:
     """The engine `regen worker generate ARGS` would run."""
     seen: list[WorkerOptions] = []
-    monkeypatch.setattr("consumers.generate.worker.run_worker", seen.append)
+    monkeypatch.setattr("regen.consumers.generate.worker.run_worker", seen.append)
     result = CliRunner().invoke(cli.main, ["worker", "generate", *args])
     assert result.exit_code == 0, result.output
     return make_engine(seen[0].engine, seen[0].engine_options)

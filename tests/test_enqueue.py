@@ -15,12 +15,12 @@ import redis
 import zstandard
 from click.testing import CliRunner
 
-from common import dlq, jobspec, keys
-from common.celery_app import make_app
-from common.chat_family import render_prompt_ids
-from producer.enqueue import Enqueuer, EnqueueStats
-from producer.spec import JobOptions, prepare_job
 from regen.cli import main
+from regen.common import dlq, jobspec, keys
+from regen.common.celery_app import make_app
+from regen.common.chat_family import render_prompt_ids
+from regen.producer.enqueue import Enqueuer, EnqueueStats
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import queued_chunks, user_rows, write_jsonl
 
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import redis
 
-from common import jobspec
-from common.celery_app import make_app
-from common.queues import queue_lists
-from producer.enqueue import Enqueuer, EnqueueStats
-from producer.spec import JobOptions, prepare_job
+from regen.common import jobspec
+from regen.common.celery_app import make_app
+from regen.common.queues import queue_lists
+from regen.producer.enqueue import Enqueuer, EnqueueStats
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import decode_message, user_rows, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

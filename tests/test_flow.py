@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumers.generate.flow import HIGH, LOW, chunk_limit_change
+from regen.consumers.generate.flow import HIGH, LOW, chunk_limit_change
 
 CAPACITY = 128
 SHORT = int(CAPACITY * LOW) - 40  # outstanding prompts a little below the low mark

@@ -11,7 +11,7 @@ import orjson
 import pytest
 import redis
 
-from common import dlq, keys
+from regen.common import dlq, keys
 from tests.generate_harness import (
     PROMPTS,
     REPO,

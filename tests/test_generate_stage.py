@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from common import dlq, jobspec, keys
+from regen.common import dlq, jobspec, keys
 from tests.generate_harness import (
     PROMPTS,
     Worker,

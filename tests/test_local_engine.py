@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from consumers.generate.engine import (
+from regen.consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.engines.local import LocalEngine
-from consumers.generate.engines.local_model import dequantized_copy
+from regen.consumers.generate.engines.local import LocalEngine
+from regen.consumers.generate.engines.local_model import dequantized_copy
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import dlq, jobspec, keys
-from common.metrics import DlqCollector, WorkerMetrics, tokenize_metrics
-from consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
-from consumers.tokenize.job_writer import ShardPolicy
-from producer.spec import JobOptions, prepare_job
+from regen.common import dlq, jobspec, keys
+from regen.common.metrics import DlqCollector, WorkerMetrics, tokenize_metrics
+from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
+from regen.consumers.tokenize.job_writer import ShardPolicy
+from regen.producer.spec import JobOptions, prepare_job
 from tests.generate_harness import REPO, Worker, all_acked, enqueue_prompts, results
 from tests.helpers import make_result, wait_for
 from tests.sglang_standin.process import free_port, run_standin

@@ -14,17 +14,17 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from common import jobspec
-from common.celery_app import make_app
-from common.chat_family import render_prompt_ids
-from common.tokenizer import tokenizer_fingerprint
-from producer.enqueue import Enqueuer
-from producer.plan import Estimate, human_duration
-from producer.prompt_scan import scan_prompts
-from producer.record_size import measure
-from producer.rows import to_prompt
-from producer.spec import JobOptions, prepare_job
 from regen.cli_plan import plan, preflight
+from regen.common import jobspec
+from regen.common.celery_app import make_app
+from regen.common.chat_family import render_prompt_ids
+from regen.common.tokenizer import tokenizer_fingerprint
+from regen.producer.enqueue import Enqueuer
+from regen.producer.plan import Estimate, human_duration
+from regen.producer.prompt_scan import scan_prompts
+from regen.producer.record_size import measure
+from regen.producer.rows import to_prompt
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import user_rows, write_jsonl
 
 KIMI_THINK, KIMI_END_THINK, KIMI_MASK, KIMI_IM_END = 163606, 163607, 163838, 163586

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from producer.readers import RawRow, file_fingerprint, iter_rows
-from producer.rows import Reason
+from regen.producer.readers import RawRow, file_fingerprint, iter_rows
+from regen.producer.rows import Reason
 
 ROWS = [
     {"id": 1, "messages": [{"role": "user", "content": "hi"}]},

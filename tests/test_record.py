@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from common.chat_family import detect_family, render_prompt_ids
-from common.jobspec import JobSpec
-from common.results import GeneratedResult
-from consumers.tokenize.record import (
+from regen.common.chat_family import detect_family, render_prompt_ids
+from regen.common.jobspec import JobSpec
+from regen.common.results import GeneratedResult
+from regen.consumers.tokenize.record import (
     RECORD_FIELDS,
     RECORD_SCHEMA,
     CheckFailed,

@@ -10,10 +10,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from common import jobspec
-from common.connection import redact
-from common.embedded_redis import EmbeddedRedis, find_redis_server
 from regen.cli import main
+from regen.common import jobspec
+from regen.common.connection import redact
+from regen.common.embedded_redis import EmbeddedRedis, find_redis_server
 from tests.generate_harness import REPO, Worker, all_generated
 from tests.helpers import user_rows, wait_for, write_jsonl
 from tests.redis_server import free_port, running_redis

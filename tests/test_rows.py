@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from producer.readers import iter_rows
-from producer.rows import BadRow, Prompt, Reason, prompt_id, to_prompt
+from regen.producer.readers import iter_rows
+from regen.producer.rows import BadRow, Prompt, Reason, prompt_id, to_prompt
 
 
 def user(text: str) -> dict[str, str]:

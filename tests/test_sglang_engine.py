@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 import pytest
 
-from consumers.generate.engine import (
+from regen.consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.engines.sglang_http import SGLangHTTPEngine
+from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from tests.sglang_standin import StandinHandle, run_standin, start_standin
 from tests.sglang_standin.completer import Completer, load_tokenizer
 from tests.sglang_standin.config import LengthDist

@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 import pytest
 
-from consumers.generate.engine import EngineUnavailable, GenerateRequest, PromptRejected
-from consumers.generate.engines import EngineOptions, make_engine
-from consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
+from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, PromptRejected
+from regen.consumers.generate.engines import EngineOptions, make_engine
+from regen.consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
 from tests.sglang_standin.completer import Completer, load_tokenizer
 from tests.sglang_standin.config import LengthDist
 from tests.sglang_standin.offline_engine import CONFIG_ENV

@@ -11,9 +11,10 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from consumers.tokenize.inspect import export, stats, verify
-from consumers.tokenize.record import RECORD_SCHEMA
-from consumers.tokenize.shard_writer import (
+from regen.cli_shards import shards_group
+from regen.consumers.tokenize.inspect import export, stats, verify
+from regen.consumers.tokenize.record import RECORD_SCHEMA
+from regen.consumers.tokenize.shard_writer import (
     MANIFEST,
     OpenShard,
     ShardInfo,
@@ -21,7 +22,6 @@ from consumers.tokenize.shard_writer import (
     place,
     shard_name,
 )
-from regen.cli_shards import shards_group
 
 USER = {"role": "user", "content": "What is 2+2?"}
 OWNER = "host-1:123"
@@ -87,7 +87,7 @@ def test_verify_passes_on_good_output(job: Path) -> None:
 
 
 def test_verify_passes_on_real_records(tmp_path: Path, kimi_tokenizer: Any) -> None:
-    from consumers.tokenize.record import build_record
+    from regen.consumers.tokenize.record import build_record
     from tests.test_record import IM_END, THINK_END, ids, make_ctx, make_result
 
     ctx = make_ctx(kimi_tokenizer)

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import redis
 
-from common import dlq, jobspec, keys
-from consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
-from consumers.tokenize.inspect import verify
-from consumers.tokenize.job_writer import ShardPolicy
-from consumers.tokenize.shard_writer import iter_records, read_manifest
-from producer.spec import JobOptions, prepare_job
+from regen.common import dlq, jobspec, keys
+from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
+from regen.consumers.tokenize.inspect import verify
+from regen.consumers.tokenize.job_writer import ShardPolicy
+from regen.consumers.tokenize.shard_writer import iter_records, read_manifest
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import make_result, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

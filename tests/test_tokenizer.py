@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from common.chat_family import (
+from regen.common.chat_family import (
     ChatTemplateError,
     ThinkState,
     detect_family,
@@ -25,7 +25,7 @@ from common.chat_family import (
     template_kwargs,
     think_state,
 )
-from common.tokenizer import (
+from regen.common.tokenizer import (
     CACHE_MARKER,
     SMOLLM2,
     MissingDependency,
@@ -36,7 +36,7 @@ from common.tokenizer import (
     resolve_model,
     tokenizer_fingerprint,
 )
-from common.tokenizer_cache import read_cache
+from regen.common.tokenizer_cache import read_cache
 from tests.fixtures.kimi_tokenizer import NAMED_SPECIALS
 
 # --- fixtures ---------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_a_gguf_without_torch_names_torch(tmp_path: Path) -> None:
     script = (
         "import sys\n"
         "sys.modules['torch'] = None  # as if not installed: find_spec None, import fails\n"
-        "from common.tokenizer import MissingDependency, load_tokenizer\n"
+        "from regen.common.tokenizer import MissingDependency, load_tokenizer\n"
         "try:\n"
         "    load_tokenizer('smollm2')\n"
         "except MissingDependency as exc:\n"

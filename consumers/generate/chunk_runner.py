@@ -25,19 +25,19 @@ import orjson
 import redis
 from redis.typing import EncodableT, FieldT
 
-from common import defaults, dlq, jobspec, keys
-from common.celery_app import visibility_timeout
-from common.chunk import Chunk, ChunkPrompt
-from common.connection import bytes_set
-from common.heartbeat import RateMeter
-from common.results import GeneratedResult
-from consumers.generate.engine import (
+from regen.common import defaults, dlq, jobspec, keys
+from regen.common.celery_app import visibility_timeout
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.connection import bytes_set
+from regen.common.heartbeat import RateMeter
+from regen.common.results import GeneratedResult
+from regen.consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.runner import EngineRunner
+from regen.consumers.generate.runner import EngineRunner
 
 log = logging.getLogger("regen.generate")
 

@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from consumers.generate.engine import Engine
+from regen.consumers.generate.engine import Engine
 
 T = TypeVar("T")
 

@@ -9,10 +9,10 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Reject
 
-from common import dlq
-from common.celery_app import GENERATE_TASK
-from common.chunk import Chunk
-from consumers.generate.chunk_runner import ChunkContext, ChunkDeferred, run_chunk
+from regen.common import dlq
+from regen.common.celery_app import GENERATE_TASK
+from regen.common.chunk import Chunk
+from regen.consumers.generate.chunk_runner import ChunkContext, ChunkDeferred, run_chunk
 
 log = logging.getLogger("regen.generate")
 

@@ -25,8 +25,8 @@ from typing import cast
 import orjson
 import redis
 
-from common import defaults, keys
-from common.connection import bytes_hash
+from regen.common import defaults, keys
+from regen.common.connection import bytes_hash
 
 # A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
 # recovery (after expiry) never races a rename.

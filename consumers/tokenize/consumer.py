@@ -18,12 +18,12 @@ from typing import Any, cast
 import orjson
 import redis
 
-from common import defaults, jobspec, keys
-from common.chat_family import detect_family
-from common.connection import bytes_hash
-from common.tokenizer import load_tokenizer, tokenizer_fingerprint
-from consumers.tokenize.job_writer import JobWriter, ShardPolicy
-from consumers.tokenize.record import RecordContext
+from regen.common import defaults, jobspec, keys
+from regen.common.chat_family import detect_family
+from regen.common.connection import bytes_hash
+from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
+from regen.consumers.tokenize.record import RecordContext
 
 log = logging.getLogger("regen.tokenize")
 

@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 import zstandard
 
-from consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECORD_SCHEMA
-from consumers.tokenize.shard_writer import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
+from regen.consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECORD_SCHEMA
+from regen.consumers.tokenize.shard_writer import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
 
 SHARD_GLOB = "shard-*.jsonl.zst"
 EXPORT_FORMATS = ("conversations",)

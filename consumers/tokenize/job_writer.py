@@ -16,11 +16,11 @@ from pathlib import Path
 
 import redis
 
-from common import crashpoints, dlq, keys
-from common.results import GeneratedResult
-from consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
-from consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
-from consumers.tokenize.shard_writer import (
+from regen.common import crashpoints, dlq, keys
+from regen.common.results import GeneratedResult
+from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
+from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
+from regen.consumers.tokenize.shard_writer import (
     OpenShard,
     append_manifest,
     describe,

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.chat_family import (
+from regen.common.chat_family import (
     ChatFamily,
     ChatTemplateError,
     ThinkState,
@@ -44,8 +44,8 @@ from common.chat_family import (
     split_reasoning,
     think_state,
 )
-from common.jobspec import JobSpec
-from common.results import GeneratedResult
+from regen.common.jobspec import JobSpec
+from regen.common.results import GeneratedResult
 
 RECORD_SCHEMA = "regen.record/1"
 # Field -> accepted JSON types, for readers that validate (shards verify).

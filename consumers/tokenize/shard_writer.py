@@ -20,7 +20,7 @@ from typing import IO, Any, cast
 import orjson
 import zstandard
 
-from common import crashpoints
+from regen.common import crashpoints
 
 MANIFEST = "manifest.jsonl"
 TMP_SUFFIX = ".tmp"

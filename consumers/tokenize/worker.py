@@ -7,10 +7,10 @@ import signal
 import threading
 from typing import Any
 
-from common import connection
-from common.heartbeat import Heartbeat, RateMeter, worker_name
-from common.metrics import tokenize_metrics
-from consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
+from regen.common import connection
+from regen.common.heartbeat import Heartbeat, RateMeter, worker_name
+from regen.common.metrics import tokenize_metrics
+from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 
 log = logging.getLogger("regen.tokenize")
 

@@ -10,8 +10,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import defaults
-from consumers.generate.engine import Engine
+from regen.common import defaults
+from regen.consumers.generate.engine import Engine
 
 BUILTIN = ("sglang", "sglang-engine", "local")
 
@@ -37,7 +37,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     if name == "sglang":
         if not options.servers:
             raise ValueError("--engine sglang needs at least one --server URL")
-        from consumers.generate.engines.sglang_http import SGLangHTTPEngine
+        from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 
         return SGLangHTTPEngine(
             options.servers,
@@ -47,7 +47,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     if name == "local":
         if options.model is None:
             raise ValueError("--engine local needs a model (the job's, or --model)")
-        from consumers.generate.engines.local import LocalEngine
+        from regen.consumers.generate.engines.local import LocalEngine
 
         return LocalEngine(
             options.model,
@@ -58,7 +58,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     if name == "sglang-engine":
         if options.model is None:
             raise ValueError("--engine sglang-engine needs a model (the job's, or --model)")
-        from consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
+        from regen.consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
 
         return SGLangInProcessEngine(
             options.model,

@@ -43,17 +43,17 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from common import defaults
-from common.tokenizer import resolve_model
-from consumers.generate.engine import (
+from regen.common import defaults
+from regen.common.tokenizer import resolve_model
+from regen.consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.engines.local_model import LoadedModel, shared_model
-from consumers.generate.engines.local_requests import RowPlan, plan_row
-from consumers.generate.engines.local_sampling import RowStop, logits_processors
+from regen.consumers.generate.engines.local_model import LoadedModel, shared_model
+from regen.consumers.generate.engines.local_requests import RowPlan, plan_row
+from regen.consumers.generate.engines.local_sampling import RowStop, logits_processors
 
 log = logging.getLogger(__name__)
 

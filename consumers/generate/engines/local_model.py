@@ -18,8 +18,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from common.tokenizer import ModelRef, load_tokenizer
-from consumers.generate.engines.local_sampling import SAMPLING_DEFAULTS
+from regen.common.tokenizer import ModelRef, load_tokenizer
+from regen.consumers.generate.engines.local_sampling import SAMPLING_DEFAULTS
 
 log = logging.getLogger(__name__)
 

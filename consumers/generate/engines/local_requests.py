@@ -10,9 +10,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from consumers.generate.engine import GenerateRequest, PromptRejected
-from consumers.generate.engines.local_model import LoadedModel
-from consumers.generate.engines.local_sampling import (
+from regen.consumers.generate.engine import GenerateRequest, PromptRejected
+from regen.consumers.generate.engines.local_model import LoadedModel
+from regen.consumers.generate.engines.local_sampling import (
     HONOURED,
     NEUTRAL,
     SAMPLING_DEFAULTS,

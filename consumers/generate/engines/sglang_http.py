@@ -17,10 +17,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from common import defaults
-from consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
-from consumers.generate.engines.sglang_pool import ServerPool, ServerState
-from consumers.generate.engines.sglang_replies import (
+from regen.common import defaults
+from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
+from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
+from regen.consumers.generate.engines.sglang_replies import (
     Failure,
     classify_error,
     parse_result,

@@ -29,14 +29,14 @@ from collections import Counter
 from http import HTTPStatus
 from typing import Any
 
-from common import defaults
-from consumers.generate.engine import (
+from regen.common import defaults
+from regen.consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
     PromptRejected,
 )
-from consumers.generate.engines.sglang_replies import (
+from regen.consumers.generate.engines.sglang_replies import (
     Failure,
     classify_status,
     result_from_reply,

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
 
 REJECT_STATUSES = frozenset({400, 413, 422})
 OVERLOAD_STATUSES = frozenset({429, 503})
