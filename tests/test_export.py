@@ -157,6 +157,13 @@ def test_hf_loads_with_load_from_disk(out_dir: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "out"]  # no scratch left
 
 
+def test_hf_with_every_record_dropped_loads_empty(out_dir: Path, tmp_path: Path) -> None:
+    summary = export(out_dir, tmp_path / "ds", ExportOptions(format="hf", min_loss_tokens=99))
+    assert (summary.written, summary.dropped["few_loss_tokens"]) == (0, 75)
+    dataset = datasets.load_from_disk(str(tmp_path / "ds"))
+    assert len(dataset) == 0 and "loss_mask" in dataset.column_names
+
+
 def test_hf_refuses_an_existing_folder(out_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "ds").mkdir()
     with pytest.raises(ExportError, match="exists"):
@@ -270,6 +277,8 @@ def test_split_holds_out_a_fraction_by_id(out_dir: Path, tmp_path: Path) -> None
     export(out_dir, tmp_path / "ds", ExportOptions(format="hf", heldout=0.3),
            heldout_out=tmp_path / "held")  # fmt: skip
     assert set(datasets.load_from_disk(str(tmp_path / "held"))["id"]) == expected
+    with pytest.raises(ExportError, match="--split"):
+        export(out_dir, out, ExportOptions(format="specforge"), heldout_out=tmp_path / "h")
     # About the fraction asked, over many ids.
     assert 2_800 < sum(held_out(f"id{i}", 0.3) for i in range(10_000)) < 3_200
 

@@ -98,6 +98,8 @@ def export(
     held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout."""
     options = options or ExportOptions()
     jobs = select_jobs(folder, options.jobs)
+    if heldout_out is not None and not options.heldout:
+        raise ExportError("a held-out output is given but no held-out fraction (--split)")
     summary = ExportSummary(out)
     paths = [out]
     if options.heldout:

@@ -138,7 +138,10 @@ class DatasetSink:
         self._writer.close()
         self._file.close()
         staged = self._scratch / "dataset"
-        self._datasets.Dataset.from_file(str(self._arrow)).save_to_disk(str(staged))
+        dataset = self._datasets.Dataset.from_file(str(self._arrow))
+        # An empty dataset saved with the default sharding writes no data file at all,
+        # and load_from_disk then fails on it (datasets 5.2): give it its one shard.
+        dataset.save_to_disk(str(staged), num_shards=None if len(dataset) else 1)
         os.replace(staged, self._path)
         shutil.rmtree(self._scratch)
 
