@@ -13,6 +13,8 @@ import orjson
 import zstandard
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+# What reading a damaged shard raises; verify says what is wrong with it.
+_UNREADABLE = (zstandard.ZstdError, orjson.JSONDecodeError, KeyError, TypeError)
 
 
 @click.group("shards")
@@ -29,7 +31,7 @@ def stats(directory: Path, as_json: bool) -> None:
 
     try:
         results = job_stats(directory)
-    except (zstandard.ZstdError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+    except _UNREADABLE as exc:
         raise click.ClickException(f"unreadable shard ({exc}); run `regen shards verify`") from exc
     if not results:
         raise click.ClickException(f"no job folders in {directory}")
@@ -73,15 +75,89 @@ def verify(directory: Path) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["conversations"]),
     default="conversations",
     show_default=True,
-    help="conversations: SpecForge's {id, conversations} JSONL.",
+    help="conversations: {id, conversations} text JSONL (SpecForge's regenerate script). "
+    "specforge: {id, input_ids, loss_mask} JSONL for SpecForge's data.prompts_path. "
+    "speculators: ids, mask and metadata JSONL for speculators' prepare_data.py --data. "
+    "hf: a `datasets` folder (save_to_disk) for datasets.load_from_disk.",
 )
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def export(directory: Path, fmt: str, out: Path) -> None:
-    """Write the records as training JSONL for other tools."""
-    from regen.consumers.tokenize.inspect import export as export_records
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="The file to write (the folder, for hf).",
+)
+@click.option(
+    "--jobs",
+    default="",
+    help="Comma-separated job folder names of DIR to merge (default: every job).",
+)
+@click.option(
+    "--max-length",
+    type=click.IntRange(min=1),
+    help="Records longer than this many tokens are dropped (or cut, with --truncate).",
+)
+@click.option(
+    "--truncate/--drop",
+    default=False,
+    show_default=True,
+    help="Over --max-length: cut the record to it, or drop it. Dropping is the default: "
+    "a cut answer loses its end-of-turn token.",
+)
+@click.option(
+    "--min-loss-tokens",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Drop records with fewer trained (loss_mask 1) tokens, after any cut.",
+)
+@click.option("--shuffle", is_flag=True, help="Shuffle the records (deterministic by --seed).")
+@click.option("--seed", type=int, default=0, show_default=True, help="The --shuffle seed.")
+@click.option(
+    "--split",
+    "heldout",
+    type=click.FloatRange(min=0, max=1, max_open=True),
+    default=0.0,
+    help="Hold out this fraction of the records, chosen by id, into a second output.",
+)
+@click.option(
+    "--split-out",
+    type=click.Path(path_type=Path),
+    help="Where the held-out records go (default: OUT with .heldout before its suffix).",
+)
+def export(
+    directory: Path,
+    fmt: str,
+    out: Path,
+    jobs: str,
+    max_length: int | None,
+    truncate: bool,
+    min_loss_tokens: int,
+    shuffle: bool,
+    seed: int,
+    heldout: float,
+    split_out: Path | None,
+) -> None:
+    """Write the records as files training tools read; prints a one-line summary."""
+    # Checked by ExportOptions, which knows the formats: importing them here would load
+    # pyarrow on every `regen` command.
+    from regen.consumers.tokenize.export import ExportError, ExportOptions
+    from regen.consumers.tokenize.export import export as export_records
 
-    rows = export_records(directory, out, format=fmt)
-    click.echo(f"wrote {rows:,} rows to {out}")
+    try:
+        options = ExportOptions(
+            format=fmt,
+            jobs=tuple(name for name in jobs.split(",") if name),
+            max_length=max_length,
+            truncate=truncate,
+            min_loss_tokens=min_loss_tokens,
+            seed=seed if shuffle else None,
+            heldout=heldout,
+        )
+        summary = export_records(directory, out, options, heldout_out=split_out)
+    except ExportError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except _UNREADABLE as exc:
+        raise click.ClickException(f"unreadable shard ({exc}); run `regen shards verify`") from exc
+    click.echo(summary.line())

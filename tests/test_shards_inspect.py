@@ -1,5 +1,5 @@
-"""stats, verify and export over real shards written by the shard writer, and the
-`regen shards` commands that wrap them."""
+"""stats and verify over real shards written by the shard writer, and the `regen shards`
+commands that wrap them (export: test_export.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from regen.cli_shards import shards_group
-from regen.consumers.tokenize.inspect import export, stats, verify
+from regen.consumers.tokenize.inspect import stats, verify
 from regen.consumers.tokenize.record import RECORD_SCHEMA
 from regen.consumers.tokenize.shard_writer import (
     MANIFEST,
@@ -189,24 +189,6 @@ def test_stats_numbers(job: Path) -> None:
 def test_stats_over_a_folder_of_jobs(job: Path) -> None:
     write_shard(job.parent / "job-b", 1, [make_record("a")])
     assert [(s.job, s.rows) for s in stats(job.parent)] == [("job-a", 5), ("job-b", 1)]
-
-
-# --- export ------------------------------------------------------------------------------
-
-
-def test_export_conversations(job: Path, tmp_path: Path) -> None:
-    out = tmp_path / "export.jsonl"
-    assert export(job, out) == 5
-    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    assert [r["id"] for r in rows] == ["a", "b", "c", "d", "e"]
-    assert set(rows[0]) == {"id", "conversations"}
-    assert rows[0]["conversations"] == [
-        USER, {"role": "assistant", "content": "4", "reasoning_content": "hm"},
-    ]  # fmt: skip
-    assert rows[1]["conversations"][-1] == {"role": "assistant", "content": "4"}
-    assert not list(tmp_path.glob(".*.tmp"))
-    with pytest.raises(ValueError, match="unknown export format"):
-        export(job, out, format="sharegpt")
 
 
 # --- the CLI -----------------------------------------------------------------------------

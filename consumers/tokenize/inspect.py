@@ -1,4 +1,4 @@
-"""Reading a tokenize stage's output: stats, verification and export.
+"""Reading a tokenize stage's output: stats and verification (export: export.py).
 
 Each function takes a job folder (`DIR/JOB`, holding `shard-*.jsonl.zst` and
 `manifest.jsonl`) or a folder of job folders (`DIR`). Records are streamed, so memory
@@ -8,7 +8,6 @@ stays flat however large the job; verify keeps one set of ids per job, nothing m
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from regen.consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECOR
 from regen.consumers.tokenize.shard_writer import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
 
 SHARD_GLOB = "shard-*.jsonl.zst"
-EXPORT_FORMATS = ("conversations",)
 # Past this many record-level problems in one shard, the rest are only counted.
 MAX_RECORD_PROBLEMS = 10
 _HASH_BLOCK = 1 << 20
@@ -41,6 +39,12 @@ def _is_job(folder: Path) -> bool:
 
 def _shards(job: Path) -> list[Path]:
     return sorted(job.glob(SHARD_GLOB))
+
+
+def job_records(job: Path) -> Iterator[dict[str, Any]]:
+    """Every record of a job folder, shard by shard in name order."""
+    for shard in _shards(job):
+        yield from iter_records(shard)
 
 
 # --- stats ------------------------------------------------------------------------------
@@ -262,42 +266,3 @@ def _read_manifest(job: Path) -> tuple[dict[str, ShardInfo], list[int]]:
                 continue
             out[info.shard] = info
     return out, torn
-
-
-# --- export -----------------------------------------------------------------------------
-
-
-def export(folder: Path, out_path: Path, format: str = "conversations") -> int:
-    """Write the records as SpecForge's conversation JSONL; returns the rows written.
-
-    One line per record: `{"id", "conversations": [{"role", "content"}, ...]}`, the
-    regenerated assistant turn last, with its `reasoning_content` beside `content` when
-    the model thought: the shape SpecForge's `regenerate_train_data.py --reasoning save`
-    writes. Token ids are not exported; a trainer that wants them reads the shards.
-    Written to a temporary file and renamed, so a reader never sees half an export.
-    """
-    if format not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {format!r}; known: {', '.join(EXPORT_FORMATS)}")
-    tmp = out_path.with_name(f".{out_path.name}{TMP_SUFFIX}")
-    rows = 0
-    try:
-        with open(tmp, "wb") as out:
-            for job in job_folders(folder):
-                for shard in _shards(job):
-                    for record in iter_records(shard):
-                        out.write(orjson.dumps(_conversation(record)) + b"\n")
-                        rows += 1
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return rows
-
-
-def _conversation(record: dict[str, Any]) -> dict[str, Any]:
-    turns = []
-    for message in record["messages"]:
-        turn = {"role": message["role"], "content": message["content"]}
-        if "reasoning_content" in message:
-            turn["reasoning_content"] = message["reasoning_content"]
-        turns.append(turn)
-    return {"id": record["id"], "conversations": turns}

@@ -1,0 +1,227 @@
+"""`regen shards export`: the records of one or more jobs, as the files trainers read.
+
+Formats (rows and files in export_sinks): `conversations` (text JSONL), `specforge`
+(ids and mask JSONL), `speculators` (ids, mask and metadata JSONL) and `hf` (a `datasets`
+folder). What is exported, in this order: the records of the jobs chosen (all by
+default); less those longer than `max_length` (dropped, or cut to it with `truncate`);
+less those with fewer than `min_loss_tokens` trained tokens; split into a held-out set by
+id; shuffled by a seed. Records are read once and streamed, and the shuffle spills to
+disk (export_order), so memory stays flat however many records there are.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from regen.consumers.tokenize.export_order import bucket_count, held_out, shuffle_key, sort_by_key
+from regen.consumers.tokenize.export_sinks import FORMATS, ExportError, Row, Shape, Sink
+from regen.consumers.tokenize.inspect import job_folders, job_records
+from regen.consumers.tokenize.shard_writer import read_manifest
+
+__all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
+
+EXPORT_FORMATS = tuple(FORMATS)
+# speculators' prepare_data.py picks its loader by the --data path's suffix.
+_SPECULATORS_SUFFIXES = (".jsonl", ".json")
+
+
+class Dropped:
+    """Why a record is not exported: the summary's reasons."""
+
+    TOO_LONG = "too_long"
+    FEW_LOSS_TOKENS = "few_loss_tokens"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    format: str = "conversations"
+    jobs: tuple[str, ...] = ()  # names of the job folders to merge; all when empty
+    max_length: int | None = None
+    truncate: bool = False  # a record over max_length is cut to it instead of dropped
+    min_loss_tokens: int = 0
+    seed: int | None = None  # shuffle with this seed; None keeps shard order
+    heldout: float = 0.0  # fraction of records held out, into a second file or folder
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            known = ", ".join(EXPORT_FORMATS)
+            raise ExportError(f"unknown export format {self.format!r}; known: {known}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ExportError(f"max_length must be at least 1, not {self.max_length}")
+        if self.truncate and self.max_length is None:
+            raise ExportError("--truncate cuts records to --max-length, which is not set")
+        if self.truncate and self.format == "conversations":
+            raise ExportError("--truncate: conversations rows are text, with no ids to cut")
+        if self.min_loss_tokens < 0:
+            raise ExportError(f"min_loss_tokens must be 0 or more, not {self.min_loss_tokens}")
+        if not 0 <= self.heldout < 1:
+            raise ExportError(f"the held-out fraction must be in [0, 1), not {self.heldout}")
+
+
+@dataclass
+class ExportSummary:
+    out: Path
+    heldout_out: Path | None = None
+    written: int = 0  # to `out`
+    held_out: int = 0  # to `heldout_out`
+    cut: int = 0  # written, but cut to max_length
+    dropped: Counter[str] = field(default_factory=Counter)  # by Dropped reason
+
+    def line(self) -> str:
+        parts = [f"wrote {self.written:,} records to {self.out}"]
+        if self.heldout_out is not None:
+            parts.append(f"{self.held_out:,} held out to {self.heldout_out}")
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(self.dropped.items()))
+        parts.append(f"dropped {self.dropped.total():,}" + (f" ({reasons})" if reasons else ""))
+        parts.append(f"cut {self.cut:,}")
+        return "; ".join(parts)
+
+
+def heldout_path(out: Path) -> Path:
+    """Where the held-out records go by default: `data.jsonl` -> `data.heldout.jsonl`."""
+    return out.with_name(f"{out.stem}.heldout{out.suffix}")
+
+
+def export(
+    folder: Path,
+    out: Path,
+    options: ExportOptions | None = None,
+    heldout_out: Path | None = None,
+) -> ExportSummary:
+    """Write the records at `folder` (a job folder or a folder of them) to `out`, and the
+    held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout."""
+    options = options or ExportOptions()
+    jobs = select_jobs(folder, options.jobs)
+    if heldout_out is not None and not options.heldout:
+        raise ExportError("a held-out output is given but no held-out fraction (--split)")
+    summary = ExportSummary(out)
+    paths = [out]
+    if options.heldout:
+        summary.heldout_out = heldout_out or heldout_path(out)
+        paths.append(summary.heldout_out)
+    _check_outputs(options.format, paths)
+    shape, open_sink = FORMATS[options.format]
+    sinks: list[Sink] = []
+    try:
+        for path in paths:
+            sinks.append(open_sink(path))
+        with ExitStack() as stack:
+            selected = _selected(jobs, options, summary, shape)
+            rows: Iterator[tuple[bool, Row]]
+            if options.seed is None:
+                rows = ((is_held_out, row) for _, is_held_out, row in selected)
+            else:
+                scratch = stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix=f".{out.name}.shuffle-", dir=out.parent)
+                )
+                rows = _shuffled(selected, options.seed, _data_bytes(jobs), Path(scratch))
+            for is_held_out, row in rows:
+                sinks[is_held_out].write(row)
+                if is_held_out:
+                    summary.held_out += 1
+                else:
+                    summary.written += 1
+        for sink in sinks:
+            sink.commit()
+    except BaseException:
+        for sink in sinks:
+            sink.abort()
+        raise
+    return summary
+
+
+def select_jobs(folder: Path, names: Sequence[str]) -> list[Path]:
+    """The job folders to export: those named, in the order given, or else all."""
+    jobs = job_folders(folder)
+    if not jobs:
+        raise ExportError(f"no job folders in {folder}")
+    if not names:
+        return jobs
+    by_name = {job.name: job for job in jobs}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ExportError(
+            f"no job {', '.join(unknown)} in {folder}; its jobs: {', '.join(by_name)}"
+        )
+    return [by_name[name] for name in dict.fromkeys(names)]
+
+
+def _check_outputs(fmt: str, paths: list[Path]) -> None:
+    if len(set(paths)) < len(paths):
+        raise ExportError(f"the held-out output is the same path as --out: {paths[0]}")
+    for path in paths:
+        if fmt == "hf" and path.exists():
+            raise ExportError(f"{path} exists; remove it or choose another output folder")
+        if fmt != "hf" and path.is_dir():
+            raise ExportError(f"{path} is a folder; --format {fmt} writes one file")
+        if fmt == "speculators" and path.suffix not in _SPECULATORS_SUFFIXES:
+            raise ExportError(
+                f"{path}: speculators' prepare_data.py reads only files named *.jsonl or "
+                "*.json; name the output so"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _selected(
+    jobs: list[Path], options: ExportOptions, summary: ExportSummary, shape: Shape
+) -> Iterator[tuple[str, bool, Row]]:
+    """(the shuffle's key, held out?, row) for each record exported, in shard order; drops
+    and cuts counted in `summary`."""
+    for job in jobs:
+        for record in job_records(job):
+            fitted = _fit(record, options, summary)
+            if fitted is None:
+                continue
+            is_held_out = bool(options.heldout) and held_out(fitted["id"], options.heldout)
+            yield f"{fitted['job']}\0{fitted['id']}", is_held_out, shape(fitted)
+
+
+def _fit(record: Row, options: ExportOptions, summary: ExportSummary) -> Row | None:
+    """The record as exported (cut to max_length with truncate), or None when dropped."""
+    cut = False
+    length = options.max_length
+    if length is not None and len(record["input_ids"]) > length:
+        if not options.truncate:
+            summary.dropped[Dropped.TOO_LONG] += 1
+            return None
+        record, cut = _cut(record, length), True
+    if sum(record["loss_mask"]) < options.min_loss_tokens:
+        summary.dropped[Dropped.FEW_LOSS_TOKENS] += 1
+        return None
+    summary.cut += cut
+    return record
+
+
+def _cut(record: Row, length: int) -> Row:
+    """The record's first `length` tokens. A cut answer no longer ends where the model
+    stopped, so it reads as finish `length`, like one cut by max_new_tokens."""
+    prompt = min(record["prompt_tokens"], length)
+    return {
+        **record,
+        "input_ids": record["input_ids"][:length],
+        "loss_mask": record["loss_mask"][:length],
+        "prompt_tokens": prompt,
+        "completion_tokens": length - prompt,
+        "finish_reason": "length",
+    }
+
+
+def _shuffled(
+    selected: Iterator[tuple[str, bool, Row]], seed: int, data_bytes: int, scratch: Path
+) -> Iterator[tuple[bool, Row]]:
+    keyed = ((shuffle_key(seed, key), [is_held_out, row]) for key, is_held_out, row in selected)
+    payload: Any
+    for payload in sort_by_key(keyed, bucket_count(data_bytes), scratch):
+        yield payload[0], payload[1]
+
+
+def _data_bytes(jobs: list[Path]) -> int:
+    """The records' size, from the manifests: what the shuffle's buckets will hold, at
+    most (rows drop `messages` and the like)."""
+    return sum(info.uncompressed_bytes for job in jobs for info in read_manifest(job).values())
