@@ -25,7 +25,7 @@ def shards_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job.")
 def stats(directory: Path, as_json: bool) -> None:
     """Rows, tokens, finish reasons, drift and completion lengths per job."""
-    from regen.consumers.tokenize.inspect import stats as job_stats
+    from regen.ops.shards_inspect import stats as job_stats
 
     try:
         results = job_stats(directory)
@@ -56,8 +56,8 @@ def stats(directory: Path, as_json: bool) -> None:
 def verify(directory: Path) -> None:
     """Check checksums, sizes, the manifest, every record's schema, masks and counts,
     and that no id appears twice in a job. Exit status 1 on any problem."""
-    from regen.consumers.tokenize.inspect import job_folders
-    from regen.consumers.tokenize.inspect import verify as verify_shards
+    from regen.ops.shards_inspect import job_folders
+    from regen.ops.shards_inspect import verify as verify_shards
 
     problems = verify_shards(directory)
     for problem in problems:
@@ -81,7 +81,7 @@ def verify(directory: Path) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
 def export(directory: Path, fmt: str, out: Path) -> None:
     """Write the records as training JSONL for other tools."""
-    from regen.consumers.tokenize.inspect import export as export_records
+    from regen.ops.shards_inspect import export as export_records
 
     rows = export_records(directory, out, format=fmt)
     click.echo(f"wrote {rows:,} rows to {out}")

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from regen.common import dlq, jobspec, keys
-from regen.consumers.tokenize.shard_writer import iter_records, read_manifest
+from regen.consumers.tokenize.shard_files import iter_records, read_manifest
 
 # Tokens of the prompt's tail and of the answer shown around the loss-mask boundary.
 CONTEXT_TOKENS = 12

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from regen.common.embedded_redis import EmbeddedRedis
-from regen.consumers.tokenize.inspect import verify
-from regen.consumers.tokenize.shard_writer import iter_records
+from regen.consumers.tokenize.shard_files import iter_records
+from regen.ops.shards_inspect import verify
 from tests.generate_harness import REPO
 from tests.redis_server import free_port
 from tests.sglang_standin.process import run_standin

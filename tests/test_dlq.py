@@ -25,8 +25,8 @@ from regen.cli_dlq import dlq_group
 from regen.common import crashpoints, dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.shard_writer import iter_records
-from regen.producer.requeue import CRASHPOINT
+from regen.consumers.tokenize.shard_files import iter_records
+from regen.ops.requeue import CRASHPOINT
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job
 from tests.generate_harness import Worker, all_acked, enqueue_prompts, results
 from tests.helpers import make_result, queued_chunks, wait_for

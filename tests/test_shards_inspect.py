@@ -12,9 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from regen.cli_shards import shards_group
-from regen.consumers.tokenize.inspect import export, stats, verify
 from regen.consumers.tokenize.record import RECORD_SCHEMA
-from regen.consumers.tokenize.shard_writer import (
+from regen.consumers.tokenize.shard_files import (
     MANIFEST,
     OpenShard,
     ShardInfo,
@@ -22,6 +21,7 @@ from regen.consumers.tokenize.shard_writer import (
     place,
     shard_name,
 )
+from regen.ops.shards_inspect import export, stats, verify
 
 USER = {"role": "user", "content": "What is 2+2?"}
 OWNER = "host-1:123"

@@ -28,8 +28,8 @@ from regen.cli_status import status, verify
 from regen.common import dlq, keys
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.shard_writer import iter_records
-from regen.status_snapshot import Sample, window_rates
+from regen.consumers.tokenize.shard_files import iter_records
+from regen.ops.status_snapshot import Sample, window_rates
 from tests.generate_harness import REPO, Worker, enqueue_prompts
 from tests.helpers import decode_message, queued_chunks, wait_for
 from tests.redis_server import RedisServer

@@ -16,9 +16,9 @@ import redis
 
 from regen.common import dlq, jobspec, keys
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
-from regen.consumers.tokenize.inspect import verify
 from regen.consumers.tokenize.job_writer import ShardPolicy
-from regen.consumers.tokenize.shard_writer import iter_records, read_manifest
+from regen.consumers.tokenize.shard_files import iter_records, read_manifest
+from regen.ops.shards_inspect import verify
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import make_result, wait_for
 

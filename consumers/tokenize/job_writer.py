@@ -20,7 +20,7 @@ from regen.common import crashpoints, dlq, keys
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
-from regen.consumers.tokenize.shard_writer import (
+from regen.consumers.tokenize.shard_files import (
     OpenShard,
     append_manifest,
     describe,

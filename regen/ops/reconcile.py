@@ -34,10 +34,11 @@ from typing import Any
 
 import redis
 
-from regen.common import accounting, keys, locate
-from regen.common.accounting import text
+from regen.common import keys
 from regen.common.jobspec import JobSpec
-from regen.reconcile_shards import (
+from regen.ops import accounting, locate
+from regen.ops.accounting import text
+from regen.ops.reconcile_shards import (
     BATCH,
     batches,
     check_shards,

@@ -1,5 +1,5 @@
 """Where a job's prompts are: the counts `regen status` shows, and the reads it shares
-with `regen verify` (common/locate.py holds verify's id-level reads).
+with `regen verify` (ops/locate.py holds verify's id-level reads).
 
 A prompt id is, at any moment, in one of these places (DESIGN.md invariant 1):
 - waiting: in a chunk on the job's generate queue (kombu's Redis lists);

@@ -19,7 +19,7 @@ import redis
 import zstandard
 
 from regen.common import keys
-from regen.common.accounting import text
+from regen.ops.accounting import text
 
 BATCH = 1000
 SHARD_GLOB = "shard-*.jsonl.zst"

@@ -1,7 +1,7 @@
 """What `regen status` reports, as one JSON-ready document: per job its prompt counts,
 rates, ETA, shards and warnings; per worker its last heartbeat.
 
-Every count is O(window) or O(1) in Redis (common/accounting.py), so it can be redrawn
+Every count is O(window) or O(1) in Redis (ops/accounting.py), so it can be redrawn
 every few seconds on a 1M-prompt job; `regen verify` is the exact, id-by-id check.
 """
 
@@ -15,8 +15,9 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import accounting, defaults, jobspec, keys
+from regen.common import defaults, jobspec, keys
 from regen.common.jobspec import JobSpec
+from regen.ops import accounting
 
 # Rates are measured over about this much recent time.
 RATE_WINDOW_S = 600.0

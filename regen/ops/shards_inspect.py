@@ -19,7 +19,7 @@ import orjson
 import zstandard
 
 from regen.consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECORD_SCHEMA
-from regen.consumers.tokenize.shard_writer import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
+from regen.consumers.tokenize.shard_files import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
 
 SHARD_GLOB = "shard-*.jsonl.zst"
 EXPORT_FORMATS = ("conversations",)
