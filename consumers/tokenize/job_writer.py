@@ -256,7 +256,7 @@ class JobWriter:
     def _resolve(self, claim: PendingShard) -> None:
         final = self.folder / claim.shard
         if final.exists():
-            manifest = read_manifest(self.folder)
+            manifest = read_manifest(self.folder).shards
             info = manifest.get(claim.shard) or describe(final)
             if claim.shard not in manifest:
                 append_manifest(self.folder, info)
