@@ -225,9 +225,11 @@ def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> N
     ledger = CommitLedger(r, JOB)
     ids = ["a" * 16, "b" * 16]
     _, claim = ledger.claim("shard-000001.jsonl.zst", "c1", ids)
+    assert ledger.count() == (2, 2)  # claimed, not done yet
     row = orjson.dumps({"completion_tokens": 30, "compressed_bytes": 999})
     assert ledger.finalize(claim.shard, row, [], ids)
     assert ledger.finalize(claim.shard, row, [], ids)
+    assert ledger.count() == (2, 0)
     assert r.hgetall(keys.job_counters(JOB)) == {
         keys.COMMITTED_PROMPTS.encode(): b"2",
         keys.COMMITTED_OUTPUT_TOKENS.encode(): b"30",
