@@ -27,6 +27,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from regen.common import jobspec, keys
+from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.producer.spec import JobOptions, prepare_job
@@ -76,9 +77,12 @@ def run(records: int, completion_tokens: int, drift: bool) -> dict[str, float]:
                 result = replace(templates[i % len(templates)], id=f"bench{i:08d}")
                 pipe.xadd(keys.results_stream("bench"), result.to_fields())
             pipe.execute()
-        while r.hlen(keys.committed("bench")) < records or r.hlen(keys.pending_shards("bench")):
+        ledger = CommitLedger(r, "bench")
+        committed, claimed = ledger.count()
+        while committed < records or claimed:  # until all are in shards in place
             rss.append(process.memory_info().rss)
             time.sleep(0.05)
+            committed, claimed = ledger.count()
         elapsed = time.monotonic() - started
         stop.set()
         thread.join()

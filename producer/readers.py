@@ -32,15 +32,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
+from regen.common.zstd_reader import open_zstd
 from regen.producer.rows import Reason
 
 _BOM = b"\xef\xbb\xbf"
-# Compressed bytes fed to the zstd decoder per step. A step's output is held whole, so
-# the step is small: 2 KiB of a file of duplicate rows (ratio ~350) is ~0.7 MB, and
-# the extra calls cost nothing measurable on ordinary data.
-_ZSTD_STEP = 1 << 11
-# Buffer size of the decompressed stream that lines are split from.
-_BUFFER_SIZE = 1 << 16
 # Parquet rows converted to Python objects at a time.
 _PARQUET_BATCH_ROWS = 1024
 # What a damaged file raises while it is read: gzip raises EOFError when truncated,
@@ -118,55 +113,6 @@ def file_fingerprint(path: str | os.PathLike[str]) -> str:
     return hashlib.blake2b(key, digest_size=8).hexdigest()
 
 
-class _ZstdFrames(io.RawIOBase):
-    """Decompress a file of one or more concatenated zstd frames.
-
-    zstandard's `stream_reader` (0.25) ends quietly where a truncated file ends, even
-    inside a frame, which would pass a cut-off download off as a complete one; this
-    reader raises ZstdError instead. It decodes one frame at a time with `decompressobj`,
-    which says where each frame ends.
-    """
-
-    def __init__(self, fh: io.BufferedIOBase) -> None:
-        self._fh = fh
-        self._dctx = zstandard.ZstdDecompressor()
-        self._frame: zstandard.ZstdDecompressionObj | None = None  # None between frames
-        self._out = b""
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        while self._pos == len(self._out):
-            data = self._fh.read(_ZSTD_STEP)
-            if not data:
-                if self._frame is not None:
-                    raise zstandard.ZstdError("file ends inside a zstd frame (truncated)")
-                return 0
-            self._out, self._pos = self._decompress(data), 0
-        n = min(len(buffer), len(self._out) - self._pos)
-        buffer[:n] = self._out[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def _decompress(self, data: bytes) -> bytes:
-        out = []
-        while data:
-            if self._frame is None:
-                self._frame = self._dctx.decompressobj()
-            out.append(self._frame.decompress(data))
-            data = b""
-            if self._frame.eof:  # the rest of `data` starts the next frame
-                data = self._frame.unused_data
-                self._frame = None
-        return b"".join(out)
-
-    def close(self) -> None:
-        self._fh.close()
-        super().close()
-
-
 def _open_plain(path: Path) -> io.BufferedIOBase:
     return open(path, "rb")
 
@@ -175,15 +121,11 @@ def _open_gzip(path: Path) -> io.BufferedIOBase:
     return gzip.open(path, "rb")
 
 
-def _open_zstd(path: Path) -> io.BufferedIOBase:
-    return io.BufferedReader(_ZstdFrames(open(path, "rb")), buffer_size=_BUFFER_SIZE)
-
-
 # Compression suffix -> opener of the decompressed byte stream.
 _OPENERS: dict[str, Callable[[Path], io.BufferedIOBase]] = {
     ".gz": _open_gzip,
-    ".zst": _open_zstd,
-    ".zstd": _open_zstd,
+    ".zst": open_zstd,  # raises ZstdError at a cut frame, which _BROKEN reports
+    ".zstd": open_zstd,
     "": _open_plain,
 }
 SUPPORTED_SUFFIXES = (

@@ -41,7 +41,7 @@ import zstandard
 from regen.common.chat_family import prompt_opens_think
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.record import CheckFailed, RecordContext, build_record
-from regen.consumers.tokenize.shard_writer import ZSTD_LEVEL
+from regen.consumers.tokenize.shard_files import ZSTD_LEVEL
 from regen.producer.rows import Prompt
 from regen.producer.spec import PreparedJob
 

@@ -21,7 +21,7 @@ from regen.common import connection, dlq, jobspec, keys
 from regen.options import F, redis_url_option
 
 if TYPE_CHECKING:
-    from regen.producer.requeue import RequeueReport
+    from regen.ops.requeue import RequeueReport
 
 
 def selection_options(func: F) -> F:
@@ -182,7 +182,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _parse_sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict:
-    from regen.producer.requeue import RequeueError, parse_overrides
+    from regen.ops.requeue import RequeueError, parse_overrides
 
     try:
         return parse_overrides(value)
@@ -229,7 +229,7 @@ def requeue(
     with its new reason.
     """
     from regen.common.celery_app import make_app
-    from regen.producer.requeue import RequeueError, Requeuer, RequeueReport
+    from regen.ops.requeue import RequeueError, Requeuer, RequeueReport
 
     url, r = _connect(redis_url)
     selection = _selection(r, job, stages, reasons)

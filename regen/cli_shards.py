@@ -10,11 +10,13 @@ from pathlib import Path
 
 import click
 import orjson
-import zstandard
+
+from regen.consumers.tokenize.shard_files import READ_ERRORS
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 # What reading a damaged shard raises; verify says what is wrong with it.
-_UNREADABLE = (zstandard.ZstdError, orjson.JSONDecodeError, KeyError, TypeError)
+# A shard that does not decompress or parse, or a record missing a field.
+_UNREADABLE = (*READ_ERRORS, KeyError, TypeError)
 
 
 @click.group("shards")
@@ -27,7 +29,7 @@ def shards_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job.")
 def stats(directory: Path, as_json: bool) -> None:
     """Rows, tokens, finish reasons, drift and completion lengths per job."""
-    from regen.consumers.tokenize.inspect import stats as job_stats
+    from regen.ops.shards_inspect import stats as job_stats
 
     try:
         results = job_stats(directory)
@@ -58,8 +60,8 @@ def stats(directory: Path, as_json: bool) -> None:
 def verify(directory: Path) -> None:
     """Check checksums, sizes, the manifest, every record's schema, masks and counts,
     and that no id appears twice in a job. Exit status 1 on any problem."""
-    from regen.consumers.tokenize.inspect import job_folders
-    from regen.consumers.tokenize.inspect import verify as verify_shards
+    from regen.ops.shards_inspect import job_folders
+    from regen.ops.shards_inspect import verify as verify_shards
 
     problems = verify_shards(directory)
     for problem in problems:
@@ -142,8 +144,8 @@ def export(
     """Write the records as files training tools read; prints a one-line summary."""
     # Checked by ExportOptions, which knows the formats: importing them here would load
     # pyarrow on every `regen` command.
-    from regen.consumers.tokenize.export import ExportError, ExportOptions
-    from regen.consumers.tokenize.export import export as export_records
+    from regen.ops.export import ExportError, ExportOptions
+    from regen.ops.export import export as export_records
 
     try:
         options = ExportOptions(

@@ -11,11 +11,11 @@ import orjson
 import redis
 
 from regen.common import connection, jobspec
+from regen.ops.status_snapshot import RATE_WINDOW_S
 from regen.options import redis_url_option
-from regen.status_snapshot import RATE_WINDOW_S
 
 if TYPE_CHECKING:
-    from regen.reconcile import Reconciliation
+    from regen.ops.reconcile import Reconciliation
 
 WATCH_INTERVAL_S = 2.0
 # Wide enough for a job's one-line rows when the output is not a terminal (a log, a pipe).
@@ -53,7 +53,7 @@ def status(
     from rich.console import Console
     from rich.live import Live
 
-    from regen.status_snapshot import snapshot
+    from regen.ops.status_snapshot import snapshot
     from regen.status_view import render
 
     r = _client(redis_url, job)
@@ -96,7 +96,7 @@ def verify(
     """Reconcile every enqueued prompt id: done in a shard, in flight, waiting, or
     dead-lettered, each exactly once; with the shard files' ids against the committed
     index. Exit status 1 on any missing, duplicated or misplaced id."""
-    from regen.reconcile import reconcile
+    from regen.ops.reconcile import reconcile
 
     r = _client(redis_url, job)
     report = reconcile(r, jobspec.load(r, job), shards_dir, read_shards=not no_shards)

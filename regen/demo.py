@@ -22,13 +22,13 @@ from rich.console import Console
 from rich.live import Live
 
 from regen.common import connection, jobspec
-from regen.common.accounting import count_places
 from regen.common.celery_app import make_app
 from regen.demo_report import show_record, show_summary
+from regen.ops.accounting import count_places
+from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer
 from regen.producer.progress import ProgressDisplay, summary
 from regen.producer.spec import JobOptions, prepare_job
-from regen.status_snapshot import snapshot
 from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from regen.common import dlq, jobspec, keys
-from regen.consumers.tokenize.shard_writer import iter_records, read_manifest
+from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 
 # Tokens of the prompt's tail and of the answer shown around the loss-mask boundary.
 CONTEXT_TOKENS = 12
@@ -21,7 +21,7 @@ CONTEXT_TOKENS = 12
 def show_summary(
     console: Console, r: redis.Redis, spec: jobspec.JobSpec, folder: Path, elapsed_s: float
 ) -> None:
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder).shards
     completion = sum(info.completion_tokens for info in manifest.values())
     prompt = sum(info.prompt_tokens for info in manifest.values())
     records = sum(info.rows for info in manifest.values())
@@ -47,7 +47,7 @@ def show_summary(
 def show_record(console: Console, folder: Path, tokenizer: Any) -> None:
     """The first record: its conversation, and where the loss mask turns on."""
     record = next(
-        (rec for shard in sorted(folder.glob("shard-*.jsonl.zst")) for rec in iter_records(shard)),
+        (rec for shard in shard_paths(folder) for rec in iter_records(shard)),
         None,
     )
     if record is None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from regen.common.embedded_redis import EmbeddedRedis
-from regen.consumers.tokenize.inspect import verify
-from regen.consumers.tokenize.shard_writer import iter_records
+from regen.consumers.tokenize.shard_files import iter_records, shard_paths
+from regen.ops.shards_inspect import verify
 from tests.generate_harness import REPO
 from tests.redis_server import free_port
 from tests.sglang_standin.process import run_standin
@@ -41,7 +41,7 @@ def check_output(stdout: str, folder: Path) -> None:
     assert "loss_mask 1" in stdout  # the decoded record and where its mask turns on
     assert "rejected empty_content: 1" in stdout and "duplicates 1" in stdout
     assert verify(folder) == []
-    records = [r for shard in folder.glob("shard-*.jsonl.zst") for r in iter_records(shard)]
+    records = [r for shard in shard_paths(folder) for r in iter_records(shard)]
     assert records
     for record in records:
         assert record["loss_mask"][-1] == 1 and record["finish_reason"] == "stop"

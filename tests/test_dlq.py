@@ -25,8 +25,8 @@ from regen.cli_dlq import dlq_group
 from regen.common import crashpoints, dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.shard_writer import iter_records
-from regen.producer.requeue import CRASHPOINT
+from regen.consumers.tokenize.shard_files import iter_records, shard_paths
+from regen.ops.requeue import CRASHPOINT
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job
 from tests.generate_harness import Worker, all_acked, enqueue_prompts, results
 from tests.helpers import make_result, queued_chunks, wait_for
@@ -302,9 +302,7 @@ def test_a_truncated_result_requeued_to_a_keeping_tokenizer_ends_in_a_shard(
     with InProcess(r, options(out, on_truncated="keep"), "c2"):
         wait_for(lambda: settled(r, JOB, 2) and r.hexists(keys.committed(JOB), cut.id),
                  what="the requeued result committed")  # fmt: skip
-    records = {
-        rec["id"]: rec for shard in (out / JOB).glob("shard-*") for rec in iter_records(shard)
-    }
+    records = {rec["id"]: rec for shard in shard_paths(out / JOB) for rec in iter_records(shard)}
     assert set(records) == {good.id, cut.id}
     assert records[cut.id]["finish_reason"] == "length"
     assert dlq.count(r, JOB, "tokenize") == 0
@@ -340,9 +338,7 @@ def test_a_rejected_prompt_requeued_with_a_smaller_max_new_tokens_ends_in_a_shar
     out = tmp_path / "out"
     with InProcess(r, options(out), "c1"):
         wait_for(lambda: settled(r, "g", 4), timeout=120, what="all four in shards")
-    records = {
-        rec["id"]: rec for shard in (out / "g").glob("shard-*") for rec in iter_records(shard)
-    }
+    records = {rec["id"]: rec for shard in shard_paths(out / "g") for rec in iter_records(shard)}
     assert letter.entry_id in generated and set(records) == generated
     assert records[letter.entry_id]["sampling"]["max_new_tokens"] == 16
     assert records[letter.entry_id]["messages"][0]["content"] == long_prompt.strip()

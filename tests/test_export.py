@@ -17,15 +17,15 @@ import pytest
 from click.testing import CliRunner
 
 from regen.cli_shards import shards_group
-from regen.consumers.tokenize import export_order
-from regen.consumers.tokenize.export import (
+from regen.consumers.tokenize.shard_files import iter_records
+from regen.ops import export_order
+from regen.ops.export import (
     ExportError,
     ExportOptions,
     export,
     heldout_path,
 )
-from regen.consumers.tokenize.export_order import held_out, shuffle_key, sort_by_key
-from regen.consumers.tokenize.shard_writer import iter_records
+from regen.ops.export_order import held_out, shuffle_key, sort_by_key
 from tests.test_shards_inspect import USER, make_record, write_shard
 
 datasets = pytest.importorskip("datasets")

@@ -16,9 +16,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from regen.common import dlq, jobspec, keys
-from regen.common.metrics import DlqCollector, WorkerMetrics, tokenize_metrics
+from regen.common.metrics import DlqCollector, WorkerMetrics
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 from regen.consumers.tokenize.job_writer import ShardPolicy
+from regen.consumers.tokenize.metrics import tokenize_metrics
 from regen.producer.spec import JobOptions, prepare_job
 from tests.generate_harness import REPO, Worker, all_acked, enqueue_prompts, results
 from tests.helpers import make_result, wait_for

@@ -12,16 +12,17 @@ import pytest
 from click.testing import CliRunner
 
 from regen.cli_shards import shards_group
-from regen.consumers.tokenize.inspect import stats, verify
 from regen.consumers.tokenize.record import RECORD_SCHEMA
-from regen.consumers.tokenize.shard_writer import (
+from regen.consumers.tokenize.shard_files import (
     MANIFEST,
     OpenShard,
     ShardInfo,
     iter_records,
     place,
     shard_name,
+    shard_paths,
 )
+from regen.ops.shards_inspect import stats, verify
 
 USER = {"role": "user", "content": "What is 2+2?"}
 OWNER = "host-1:123"
@@ -107,6 +108,22 @@ def test_verify_catches_flipped_bytes(job: Path) -> None:
     assert all(p.path == shard_name(1) for p in problems)
 
 
+def test_a_shard_cut_short_is_unreadable_not_read_short(job: Path) -> None:
+    # zstandard's stream_reader ends quietly inside a cut frame: read through it, the
+    # shard would only look short (checksum, size and counts), never unreadable.
+    path = job / shard_name(1)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    unreadable = [p for p in verify(job) if p.kind == "unreadable"]
+    assert [p.path for p in unreadable] == [shard_name(1)]
+    assert "truncated" in unreadable[0].message
+    runner = CliRunner()
+    checked = runner.invoke(shards_group, ["verify", str(job)])
+    assert checked.exit_code == 1 and f"{shard_name(1)}: unreadable" in checked.output
+    counted = runner.invoke(shards_group, ["stats", str(job)])
+    assert counted.exit_code == 1 and "unreadable shard" in counted.output
+
+
 def test_verify_catches_a_duplicate_id_across_shards(job: Path) -> None:
     write_shard(job, 3, [make_record("b")])
     problems = verify(job)
@@ -180,7 +197,7 @@ def test_stats_numbers(job: Path) -> None:
     assert (only.shards, only.rows) == (2, 5)
     assert only.prompt_tokens == 25
     assert only.completion_tokens == 1 + 3 + 1000 + 0 + 3
-    assert only.bytes == sum(p.stat().st_size for p in job.glob("shard-*"))
+    assert only.bytes == sum(p.stat().st_size for p in shard_paths(job))
     assert dict(only.finish_reasons) == {"stop": 4, "length": 1}
     assert (only.drift, only.drift_checked) == (1, 4)
     assert only.histogram_rows() == [("0-0", 1), ("1-1", 1), ("2-3", 2), ("512-1023", 1)]

@@ -27,9 +27,9 @@ from click.testing import CliRunner, Result
 from regen.cli_status import status, verify
 from regen.common import dlq, keys
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.shard_writer import iter_records
-from regen.status_snapshot import Sample, window_rates
+from regen.consumers.tokenize.commit import CommitLedger, Sample
+from regen.consumers.tokenize.shard_files import iter_records, shard_paths
+from regen.ops.status_snapshot import window_rates
 from tests.generate_harness import REPO, Worker, enqueue_prompts
 from tests.helpers import decode_message, queued_chunks, wait_for
 from tests.redis_server import RedisServer
@@ -225,9 +225,11 @@ def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> N
     ledger = CommitLedger(r, JOB)
     ids = ["a" * 16, "b" * 16]
     _, claim = ledger.claim("shard-000001.jsonl.zst", "c1", ids)
+    assert ledger.count() == (2, 2)  # claimed, not done yet
     row = orjson.dumps({"completion_tokens": 30, "compressed_bytes": 999})
     assert ledger.finalize(claim.shard, row, [], ids)
     assert ledger.finalize(claim.shard, row, [], ids)
+    assert ledger.count() == (2, 0)
     assert r.hgetall(keys.job_counters(JOB)) == {
         keys.COMMITTED_PROMPTS.encode(): b"2",
         keys.COMMITTED_OUTPUT_TOKENS.encode(): b"30",
@@ -317,7 +319,7 @@ def test_verify_and_status_add_up_while_the_run_moves(run: dict) -> None:
 
 
 def _first_shard(run: dict) -> Path:
-    return sorted((run["out"] / JOB).glob("shard-*.jsonl.zst"))[0]
+    return shard_paths(run["out"] / JOB)[0]
 
 
 @pytest.mark.slow
@@ -373,6 +375,23 @@ def test_verify_fails_on_a_committed_id_missing_from_its_shard(run: dict, tmp_pa
         result = cli(verify, run["url"], "--job", JOB)
         assert result.exit_code == 1
         assert f"not_in_shard: {records[0]['id']}: committed to {shard.name}" in result.output
+    finally:
+        shutil.copy(backup, shard)
+    assert cli(verify, run["url"], "--job", JOB).exit_code == 0
+
+
+@pytest.mark.slow
+def test_verify_fails_on_a_shard_cut_short(run: dict, tmp_path: Path) -> None:
+    shard = _first_shard(run)
+    backup = tmp_path / shard.name
+    shutil.copy(shard, backup)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    try:
+        result = cli(verify, run["url"], "--job", JOB)
+        assert result.exit_code == 1
+        assert f"unreadable_shard: {shard.name}: after " in result.output
+        assert "truncated" in result.output
     finally:
         shutil.copy(backup, shard)
     assert cli(verify, run["url"], "--job", JOB).exit_code == 0

@@ -16,9 +16,9 @@ import redis
 
 from regen.common import dlq, jobspec, keys
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
-from regen.consumers.tokenize.inspect import verify
 from regen.consumers.tokenize.job_writer import ShardPolicy
-from regen.consumers.tokenize.shard_writer import iter_records, read_manifest
+from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
+from regen.ops.shards_inspect import verify
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import make_result, wait_for
 
@@ -38,7 +38,7 @@ def push(r: redis.Redis, results: list[Any]) -> None:
 
 
 def shard_ids(folder: Path) -> list[str]:
-    return [rec["id"] for shard in sorted(folder.glob("shard-*.jsonl.zst"))
+    return [rec["id"] for shard in shard_paths(folder)
             for rec in iter_records(shard)]  # fmt: skip
 
 
@@ -92,14 +92,14 @@ def test_records_are_token_exact_and_written_once(
         wait_for(lambda: settled(r, "t", 60), what="all results committed")
 
     folder = out / "t"
-    records = {rec["id"]: rec for shard in folder.glob("shard-*") for rec in iter_records(shard)}
+    records = {rec["id"]: rec for shard in shard_paths(folder) for rec in iter_records(shard)}
     assert Counter(shard_ids(folder)).most_common(1)[0][1] == 1 and len(records) == 60
     for result in results:
         record = records[result.id]
         assert record["input_ids"] == result.prompt_ids + result.output_ids
         assert record["loss_mask"] == [0] * len(result.prompt_ids) + [1] * len(result.output_ids)
         assert record["messages"][-1] == {"role": "assistant", "content": result.text}
-    assert len(read_manifest(folder)) >= 3  # 25-row shards
+    assert len(read_manifest(folder).shards) >= 3  # 25-row shards
     assert verify(folder) == []
     pending = r.xpending(keys.results_stream("t"), keys.TOKENIZE_GROUP)
     assert pending["pending"] == 0
@@ -203,7 +203,7 @@ def test_low_disk_pauses_the_stage_and_it_resumes(
         wait_for(lambda: running.consumer.state.paused_for_disk, what="the disk pause")
         push(r, [make_result(smollm2_tokenizer, spec, i) for i in range(30)])
         # Paused: nothing is read or written while space is short.
-        assert not running.consumer.state.writers.get("t") or not list((out / "t").glob("shard-*"))
+        assert not running.consumer.state.writers.get("t") or not shard_paths(out / "t")
         assert r.xlen(keys.results_stream("t")) == 30
         ballast.unlink()
         wait_for(lambda: settled(r, "t", 30), what="the stage to resume and commit")

@@ -18,10 +18,10 @@ from celery import Celery, bootsteps
 from regen.common import connection, defaults, jobspec
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
-from regen.common.metrics import generate_metrics
 from regen.consumers.generate.chunk_runner import ChunkContext
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow import make_flow_control
+from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.runner import EngineRunner
 from regen.consumers.generate.tasks import register
 

@@ -14,11 +14,17 @@ A crash between 1 and 3 leaves a pending shard; once its lease expires any consu
 the job resolves it from the filesystem alone: a shard in place is finalized, a missing
 one has its claims released so its results, still unacked on the stream, are written
 again. Either way no id is ever in two shards, and none is lost.
+
+The ledger is the one reader and writer of these keys (`committed`, the pending and
+placed shard hashes, the shard counter, the progress samples): `regen status` and
+`regen verify` read them through its read methods and COUNT_LUA, so the pending-claim
+JSON and the key names are known here alone.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import cast
 
@@ -80,6 +86,21 @@ end
 return 1
 """
 
+# For a read script of an operator command that counts the ledger in the same atomic
+# reading as other keys (ops/accounting.count_places): prepend it to the script and call
+# ledger_count with the keys of CommitLedger.count_keys(), in order. Returns the ids
+# committed or claimed, and the ids claimed by shards still pending.
+COUNT_LUA = """
+local function ledger_count(committed, pending)
+  local claimed = 0
+  for _, raw in ipairs(redis.call('HVALS', pending)) do
+    claimed = claimed + #cjson.decode(raw)['ids']
+  end
+  return redis.call('HLEN', committed), claimed
+end
+"""
+_COUNT_ONLY_LUA = COUNT_LUA + "return {ledger_count(KEYS[1], KEYS[2])}"
+
 # KEYS: committed, pending; ARGV: shard, owner-or-empty, ids...
 _RELEASE_LUA = """
 local raw = redis.call('HGET', KEYS[2], ARGV[1])
@@ -104,6 +125,25 @@ class PendingShard:
         return (now or time.time()) > self.lease_until
 
 
+@dataclass(frozen=True)
+class Sample:
+    """Committed totals of a job at one moment (Redis server time)."""
+
+    time: float
+    prompts: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class CommitTotals:
+    """A job's committed output, as `regen status` shows it."""
+
+    shards: int  # shards in place
+    shard_bytes: int
+    samples: list[Sample]  # taken at each shard commit, oldest first
+    now: Sample  # the committed totals now
+
+
 class CommitLedger:
     """The Redis side of one job's shards."""
 
@@ -113,6 +153,7 @@ class CommitLedger:
         self._claim = r.register_script(_CLAIM_LUA)
         self._finalize = r.register_script(_FINALIZE_LUA)
         self._release = r.register_script(_RELEASE_LUA)
+        self._count = r.register_script(_COUNT_ONLY_LUA)
 
     def next_shard_seq(self) -> int:
         return int(self._r.incr(keys.shard_seq(self._job)))
@@ -162,6 +203,44 @@ class CommitLedger:
         )
         return bool(done)
 
-    def shards(self) -> dict[str, bytes]:
-        raw = bytes_hash(self._r.hgetall(keys.shards(self._job)))
-        return {k.decode(): v for k, v in raw.items()}
+    # --- reads of the operator commands (`regen status`, `regen verify`) ---------------
+
+    def shard_names(self) -> tuple[set[str], set[str]]:
+        """(shards in place, shards being committed)."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hkeys(keys.shards(self._job))
+        pipe.hkeys(keys.pending_shards(self._job))
+        final, pending = pipe.execute()
+        return {k.decode() for k in final}, {k.decode() for k in pending}
+
+    def iter_committed(self, batch: int) -> Iterator[tuple[str, str]]:
+        """(id, shard) of every id committed or claimed, scanned `batch` at a time (an id
+        can come twice, as HSCAN gives it)."""
+        for pid, shard in self._r.hscan_iter(keys.committed(self._job), count=batch):
+            yield pid.decode(), shard.decode()
+
+    def count_keys(self) -> list[str]:
+        """The keys COUNT_LUA's ledger_count takes, in order."""
+        return [keys.committed(self._job), keys.pending_shards(self._job)]
+
+    def count(self) -> tuple[int, int]:
+        """(ids committed or claimed, ids claimed by shards still pending), read at once."""
+        committed, claimed = self._count(keys=self.count_keys())
+        return int(committed), int(claimed)
+
+    def totals(self) -> CommitTotals:
+        """Shards in place, their bytes, and the progress samples with the totals now."""
+        job = self._job
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hlen(keys.shards(job))
+        pipe.lrange(keys.job_progress(job), 0, -1)
+        fields = [keys.COMMITTED_PROMPTS, keys.COMMITTED_OUTPUT_TOKENS, keys.COMMITTED_SHARD_BYTES]
+        pipe.hmget(keys.job_counters(job), fields)
+        pipe.time()
+        shards, raw_samples, (prompts, tokens, shard_bytes), (secs, micros) = pipe.execute()
+        return CommitTotals(
+            shards=shards,
+            shard_bytes=int(shard_bytes or 0),
+            samples=[Sample(*orjson.loads(raw)) for raw in reversed(raw_samples)],
+            now=Sample(secs + micros / 1e6, int(prompts or 0), int(tokens or 0)),
+        )

@@ -20,7 +20,7 @@ from regen.common import crashpoints, dlq, keys
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
-from regen.consumers.tokenize.shard_writer import (
+from regen.consumers.tokenize.shard_files import (
     OpenShard,
     append_manifest,
     describe,
@@ -256,7 +256,7 @@ class JobWriter:
     def _resolve(self, claim: PendingShard) -> None:
         final = self.folder / claim.shard
         if final.exists():
-            manifest = read_manifest(self.folder)
+            manifest = read_manifest(self.folder).shards
             info = manifest.get(claim.shard) or describe(final)
             if claim.shard not in manifest:
                 append_manifest(self.folder, info)

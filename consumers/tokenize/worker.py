@@ -9,8 +9,8 @@ from typing import Any
 
 from regen.common import connection
 from regen.common.heartbeat import Heartbeat, RateMeter, worker_name
-from regen.common.metrics import tokenize_metrics
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
+from regen.consumers.tokenize.metrics import tokenize_metrics
 
 log = logging.getLogger("regen.tokenize")
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from regen.consumers.tokenize.export_order import bucket_count, held_out, shuffle_key, sort_by_key
-from regen.consumers.tokenize.export_sinks import FORMATS, ExportError, Row, Shape, Sink
-from regen.consumers.tokenize.inspect import job_folders, job_records
-from regen.consumers.tokenize.shard_writer import read_manifest
+from regen.consumers.tokenize.shard_files import read_manifest
+from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
+from regen.ops.export_sinks import FORMATS, ExportError, Row, Shape, Sink
+from regen.ops.shards_inspect import job_folders, job_records
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
 
@@ -224,4 +224,6 @@ def _shuffled(
 def _data_bytes(jobs: list[Path]) -> int:
     """The records' size, from the manifests: what the shuffle's buckets will hold, at
     most (rows drop `messages` and the like)."""
-    return sum(info.uncompressed_bytes for job in jobs for info in read_manifest(job).values())
+    return sum(
+        info.uncompressed_bytes for job in jobs for info in read_manifest(job).shards.values()
+    )

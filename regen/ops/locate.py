@@ -1,5 +1,5 @@
 """The prompt ids in a job's moving parts, for `regen verify` (the counts are in
-common/accounting.py): the chunks waiting and in flight, with the ids they still hold
+ops/accounting.py): the chunks waiting and in flight, with the ids they still hold
 open, and the results on the stream.
 
 Chunk messages are decoded whole here (their ids are inside a base64 body), a few at a
@@ -17,10 +17,10 @@ import orjson
 import redis
 
 from regen.common import keys
-from regen.common.accounting import ENTRIES_PER_CALL, MESSAGES_PER_CALL, run_script, text
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.common.results import FIELD
+from regen.ops.accounting import ENTRIES_PER_CALL, MESSAGES_PER_CALL, run_script, text
 
 # KEYS[1]: a results stream; ARGV: start (inclusive, or exclusive with "("), count, field.
 # Returns {last entry id or '', prompt id, ...}: a GeneratedResult's JSON starts with "id".

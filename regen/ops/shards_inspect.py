@@ -1,8 +1,9 @@
 """Reading a tokenize stage's output: stats and verification (export: export.py).
 
-Each function takes a job folder (`DIR/JOB`, holding `shard-*.jsonl.zst` and
-`manifest.jsonl`) or a folder of job folders (`DIR`). Records are streamed, so memory
-stays flat however large the job; verify keeps one set of ids per job, nothing more.
+Each function takes a job folder (`DIR/JOB`, holding shards and `manifest.jsonl`) or a
+folder of job folders (`DIR`), and reads them through the shard module (shard_files).
+Records are streamed, so memory stays flat however large the job; verify keeps one set
+of ids per job, nothing more.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-import zstandard
-
 from regen.consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECORD_SCHEMA
-from regen.consumers.tokenize.shard_writer import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
+from regen.consumers.tokenize.shard_files import (
+    MANIFEST,
+    READ_ERRORS,
+    ShardInfo,
+    is_job_folder,
+    iter_records,
+    read_manifest,
+    shard_paths,
+    temp_files,
+)
 
-SHARD_GLOB = "shard-*.jsonl.zst"
 # Past this many record-level problems in one shard, the rest are only counted.
 MAX_RECORD_PROBLEMS = 10
 _HASH_BLOCK = 1 << 20
@@ -28,22 +34,14 @@ _HASH_BLOCK = 1 << 20
 
 def job_folders(folder: Path) -> list[Path]:
     """The job folders at `folder`: itself when it is one, else its sub-folders that are."""
-    if _is_job(folder):
+    if is_job_folder(folder):
         return [folder]
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _is_job(p))
-
-
-def _is_job(folder: Path) -> bool:
-    return (folder / MANIFEST).exists() or any(folder.glob(SHARD_GLOB))
-
-
-def _shards(job: Path) -> list[Path]:
-    return sorted(job.glob(SHARD_GLOB))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and is_job_folder(p))
 
 
 def job_records(job: Path) -> Iterator[dict[str, Any]]:
     """Every record of a job folder, shard by shard in name order."""
-    for shard in _shards(job):
+    for shard in shard_paths(job):
         yield from iter_records(shard)
 
 
@@ -91,7 +89,7 @@ def stats(folder: Path) -> list[JobStats]:
 
 def _job_stats(job: Path) -> JobStats:
     out = JobStats(job=job.name)
-    for info in _read_manifest(job)[0].values():
+    for info in read_manifest(job).shards.values():
         out.shards += 1
         out.bytes += info.compressed_bytes
         out.uncompressed_bytes += info.uncompressed_bytes
@@ -139,16 +137,16 @@ def _verify_job(job: Path) -> list[Problem]:
     def report(path: str, kind: str, message: str) -> None:
         problems.append(Problem(job.name, path, kind, message))
 
-    manifest, torn = _read_manifest(job)
-    for line in torn:
+    manifest_file = read_manifest(job)
+    manifest = manifest_file.shards
+    for line in manifest_file.torn:
         report(MANIFEST, "manifest_line", f"unreadable line {line}")
-    on_disk = {p.name for p in _shards(job)}
+    on_disk = {p.name for p in shard_paths(job)}
     for name in sorted(manifest.keys() - on_disk):
         report(name, "missing_shard", "listed in the manifest, not on disk")
     for name in sorted(on_disk - manifest.keys()):
         report(name, "unlisted_shard", "on disk, not in the manifest")
-    # `.*.tmp`, and `.*.tmp.rewrite` (the writer's staging when it rewrites a shard).
-    for tmp in sorted(job.glob(f".*{TMP_SUFFIX}*")):
+    for tmp in temp_files(job):
         report(
             tmp.name,
             "leftover_tmp",
@@ -191,7 +189,7 @@ def _check_records(path: Path, info: ShardInfo | None, seen: set[str]) -> Iterat
                 found += 1
                 if found <= MAX_RECORD_PROBLEMS:
                     yield kind, f"row {row}: {message}"
-    except (zstandard.ZstdError, orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+    except READ_ERRORS as exc:
         yield "unreadable", f"after {rows} rows: {exc}"
         return
     if found > MAX_RECORD_PROBLEMS:
@@ -242,27 +240,3 @@ def _check_record(record: Any, seen: set[str]) -> Iterator[tuple[str, str]]:
 def _int(value: Any) -> int:
     """A count as the manifest sums it; anything else is the schema check's to report."""
     return value if isinstance(value, int) else 0
-
-
-def _read_manifest(job: Path) -> tuple[dict[str, ShardInfo], list[int]]:
-    """Manifest entries by shard, and the numbers of lines that do not parse.
-
-    Like the shard writer's reader (a later line for a shard wins), but keeping count
-    of torn lines, which verify reports.
-    """
-    out: dict[str, ShardInfo] = {}
-    torn: list[int] = []
-    path = job / MANIFEST
-    if not path.exists():
-        return out, torn
-    with open(path, "rb") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                info = ShardInfo(**orjson.loads(line))
-            except (orjson.JSONDecodeError, TypeError):
-                torn.append(number)
-                continue
-            out[info.shard] = info
-    return out, torn

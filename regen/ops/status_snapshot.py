@@ -1,7 +1,7 @@
 """What `regen status` reports, as one JSON-ready document: per job its prompt counts,
 rates, ETA, shards and warnings; per worker its last heartbeat.
 
-Every count is O(window) or O(1) in Redis (common/accounting.py), so it can be redrawn
+Every count is O(window) or O(1) in Redis (ops/accounting.py), so it can be redrawn
 every few seconds on a 1M-prompt job; `regen verify` is the exact, id-by-id check.
 """
 
@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import redis
 
-from regen.common import accounting, defaults, jobspec, keys
+from regen.common import defaults, jobspec, keys
 from regen.common.jobspec import JobSpec
+from regen.consumers.tokenize.commit import CommitLedger, Sample
+from regen.ops import accounting
 
 # Rates are measured over about this much recent time.
 RATE_WINDOW_S = 600.0
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Committed totals of a job at one moment (Redis server time)."""
-
-    time: float
-    prompts: int
-    tokens: int
 
 
 def window_rates(samples: list[Sample], now: Sample, window_s: float) -> tuple[float, float] | None:
@@ -53,16 +45,6 @@ def window_rates(samples: list[Sample], now: Sample, window_s: float) -> tuple[f
     return (now.prompts - base.prompts) / span, (now.tokens - base.tokens) / span
 
 
-def _progress(r: redis.Redis, job: str) -> tuple[list[Sample], Sample]:
-    pipe = r.pipeline(transaction=False)
-    pipe.lrange(keys.job_progress(job), 0, -1)
-    pipe.hmget(keys.job_counters(job), [keys.COMMITTED_PROMPTS, keys.COMMITTED_OUTPUT_TOKENS])
-    pipe.time()
-    raw_samples, (prompts, tokens), (secs, micros) = pipe.execute()
-    samples = [Sample(*orjson.loads(raw)) for raw in reversed(raw_samples)]
-    return samples, Sample(secs + micros / 1e6, int(prompts or 0), int(tokens or 0))
-
-
 def _free_bytes(output: dict[str, Any], beats: dict[str, dict[str, Any]]) -> int | None:
     """Free space where the job's shards are: measured now when they are on this host,
     else the writing worker's last report (`beats`: live workers by name)."""
@@ -79,15 +61,12 @@ def job_status(
 ) -> dict[str, Any]:
     job = spec.name
     counts = accounting.count_places(r, spec)
-    pipe = r.pipeline(transaction=False)
-    pipe.hlen(keys.shards(job))
-    pipe.hget(keys.job_counters(job), keys.COMMITTED_SHARD_BYTES)
-    pipe.hget(keys.TOKENIZE_OUTPUTS, job)
-    shard_count, shard_bytes, raw_output = pipe.execute()
+    totals = CommitLedger(r, job).totals()
+    raw_output = r.hget(keys.TOKENIZE_OUTPUTS, job)
     output = orjson.loads(raw_output) if raw_output else {}
     free = _free_bytes(output, {w["name"]: w for w in workers if not w["stale"]})
-    samples, now = _progress(r, job)
-    rates = window_rates(samples, now, window_s)
+    now = totals.now
+    rates = window_rates(totals.samples, now, window_s)
     remaining = max(counts.total - counts.done - counts.dead_lettered - counts.purged, 0)
     eta = 0.0 if remaining == 0 else remaining / rates[0] if rates and rates[0] > 0 else None
 
@@ -138,7 +117,7 @@ def job_status(
         },
         "eta_s": eta,
         "shards": {
-            "count": shard_count, "bytes": int(shard_bytes or 0), "dir": output.get("dir"),
+            "count": totals.shards, "bytes": totals.shard_bytes, "dir": output.get("dir"),
             "host": output.get("host"), "free_bytes": free,
         },
         "workers": {"generate": len(generators), "tokenize": len(tokenizers)},

@@ -1,5 +1,5 @@
 """Where a job's prompts are: the counts `regen status` shows, and the reads it shares
-with `regen verify` (common/locate.py holds verify's id-level reads).
+with `regen verify` (ops/locate.py holds verify's id-level reads).
 
 A prompt id is, at any moment, in one of these places (DESIGN.md invariant 1):
 - waiting: in a chunk on the job's generate queue (kombu's Redis lists);
@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import orjson
 import redis
 
 from regen.common import keys
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
+from regen.consumers.tokenize.commit import COUNT_LUA, CommitLedger
 
 # Messages per script call: each call copies this many (possibly MB-sized) messages
 # inside Redis, so keep it small enough that Redis never stalls on one call.
@@ -80,22 +80,23 @@ for i = 1, #reply[2], 2 do
 end
 return out
 """
-# One consistent reading of every count (a script runs atomically).
-# KEYS: ids, results stream, committed, pending shards, chunks, purged ids, the DLQs
+# One consistent reading of every count (a script runs atomically), the commit ledger's
+# counted by its own fragment (commit.COUNT_LUA).
+# KEYS: ids, results stream, chunks, purged ids, the ledger's count keys (2), the DLQs
 # (keys.STAGES order), then the `chunk_generated` set of each chunk on the queues or in
 # flight.
-_COUNT_LUA = f"""
-local out = {{redis.call('SCARD', KEYS[1]), redis.call('XLEN', KEYS[2]),
-              redis.call('HLEN', KEYS[3]), 0, redis.call('HLEN', KEYS[5]),
-              redis.call('SCARD', KEYS[6])}}
-for _, raw in ipairs(redis.call('HVALS', KEYS[4])) do
-  out[4] = out[4] + #cjson.decode(raw)['ids']
-end
+_COUNT_LUA = (
+    COUNT_LUA
+    + f"""
+local committed, claimed = ledger_count(KEYS[5], KEYS[6])
+local out = {{redis.call('SCARD', KEYS[1]), redis.call('XLEN', KEYS[2]), committed, claimed,
+              redis.call('HLEN', KEYS[3]), redis.call('SCARD', KEYS[4])}}
 for i = 7, #KEYS do
   out[#out + 1] = redis.call(i < {7 + len(keys.STAGES)} and 'HLEN' or 'SCARD', KEYS[i])
 end
 return out
 """
+)
 
 
 def text(value: bytes | str) -> str:
@@ -124,12 +125,6 @@ def dead_letter_reasons(r: redis.Redis, job: str, stage: str) -> dict[str, str]:
         out.update(zip(pairs[::2], pairs[1::2], strict=True))
         if cursor == "0":
             return out
-
-
-def pending_claims(r: redis.Redis, job: str) -> dict[str, list[str]]:
-    """Shards being committed -> the ids they claim (not done until finalized)."""
-    raw = r.hgetall(keys.pending_shards(job))
-    return {text(k): list(orjson.loads(v)["ids"]) for k, v in raw.items()}
 
 
 # --- chunk ids on the queues and in flight ------------------------------------------------
@@ -228,16 +223,16 @@ def count_places(r: redis.Redis, spec: JobSpec) -> PlaceCounts:
             counts = by_reason if is_prompt_entry(entry_id) else other
             counts[reason] = counts.get(reason, 0) + 1
     script = r.register_script(_COUNT_LUA)
+    ledger = CommitLedger(r, job)
     for _ in range(COUNT_ATTEMPTS):
         published = r.hlen(keys.job_chunks(job))
         chunks = window_chunks(r, spec)
         lua_keys = [
             keys.job_ids(job),
             keys.results_stream(job),
-            keys.committed(job),
-            keys.pending_shards(job),
             keys.job_chunks(job),
             keys.dlq_purged(job),
+            *ledger.count_keys(),
             *(keys.dlq(job, stage) for stage in keys.STAGES),
             *(keys.chunk_generated(job, c) for c in chunks),
         ]

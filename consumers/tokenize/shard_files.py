@@ -1,16 +1,23 @@
-"""The shard writer owns a job's shard files: naming, temp-then-rename, rollover, manifest.
+"""The shard files of a job, the one module that writes and reads them: naming, the shard
+glob, temp-then-rename, rollover, the manifest, and record iteration.
+
+The tokenize stage writes through it; `regen verify`, `regen shards`, the demo report
+and recovery read through it, so a change of format is made here alone.
 
 A shard is zstd-compressed JSON Lines written with orjson. It is streamed to a hidden
 temporary name while open (memory stays flat however large it grows), fsynced, then
 renamed into place and the folder fsynced, so a reader never sees a partial shard. Each
 shard in place has a line in `manifest.jsonl` (rows, tokens, bytes, sha256), appended and
 fsynced after the rename; recovery re-derives a missing line from the shard itself.
+Shards are read with the one zstd reader (common/zstd_reader.py), so a shard cut short
+raises TruncatedFrame rather than reading short.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -21,15 +28,41 @@ import orjson
 import zstandard
 
 from regen.common import crashpoints
+from regen.common.zstd_reader import open_zstd
 
 MANIFEST = "manifest.jsonl"
+_SHARD_PREFIX = "shard-"
+_SHARD_SUFFIX = ".jsonl.zst"
+SHARD_GLOB = f"{_SHARD_PREFIX}*{_SHARD_SUFFIX}"
 TMP_SUFFIX = ".tmp"
 REWRITE_SUFFIX = ".rewrite"
 ZSTD_LEVEL = 3
+# What reading a damaged shard raises: a cut or corrupt zstd frame (zstandard.ZstdError,
+# TruncatedFrame included), a line that is not JSON, or bytes that are not UTF-8.
+READ_ERRORS = (zstandard.ZstdError, orjson.JSONDecodeError, UnicodeDecodeError)
+# A record starts {"schema":...,"id":"..." (record.build_record): the id is found in a
+# line's first bytes without parsing the rest (token ids, messages) of it.
+_ID = re.compile(rb'"id":"([^"]*)"')
+_ID_WITHIN = 256
 
 
 def shard_name(seq: int) -> str:
-    return f"shard-{seq:06d}.jsonl.zst"
+    return f"{_SHARD_PREFIX}{seq:06d}{_SHARD_SUFFIX}"
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    """The shards in place in a job folder, in order."""
+    return sorted(folder.glob(SHARD_GLOB))
+
+
+def is_job_folder(folder: Path) -> bool:
+    return (folder / MANIFEST).exists() or any(folder.glob(SHARD_GLOB))
+
+
+def temp_files(folder: Path) -> list[Path]:
+    """Temporary files in a job folder: shards being written (`.*.tmp`) or rewritten
+    (`.*.tmp.rewrite`), or left by a crash."""
+    return sorted(folder.glob(f".*{TMP_SUFFIX}*"))
 
 
 def tmp_path(folder: Path, name: str, owner: str) -> Path:
@@ -46,7 +79,7 @@ def leftover_owner(path: Path) -> str | None:
     """The writer token of a temporary shard file (or its rewrite staging file), None for
     any other file."""
     name = path.name.removesuffix(REWRITE_SUFFIX)
-    if not (name.startswith(".shard-") and name.endswith(TMP_SUFFIX)):
+    if not (name.startswith(f".{_SHARD_PREFIX}") and name.endswith(TMP_SUFFIX)):
         return None
     return name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
 
@@ -186,34 +219,49 @@ def append_manifest(folder: Path, info: ShardInfo) -> None:
         os.fsync(fh.fileno())
 
 
-def read_manifest(folder: Path) -> dict[str, ShardInfo]:
-    """Manifest lines by shard; a torn last line (crash mid-append) is ignored."""
+@dataclass(frozen=True)
+class Manifest:
+    shards: dict[str, ShardInfo]  # by shard name; a later line for a shard wins
+    torn: list[int]  # numbers of the lines that do not parse (a crash mid-append)
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of a job folder (empty when it has none)."""
+    manifest = Manifest({}, [])
     path = folder / MANIFEST
-    out: dict[str, ShardInfo] = {}
     if not path.exists():
-        return out
-    for line in path.read_bytes().splitlines():
-        try:
-            info = ShardInfo(**orjson.loads(line))
-        except (orjson.JSONDecodeError, TypeError):
-            continue
-        out[info.shard] = info
-    return out
+        return manifest
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                info = ShardInfo(**orjson.loads(line))
+            except (orjson.JSONDecodeError, TypeError):
+                manifest.torn.append(number)
+                continue
+            manifest.shards[info.shard] = info
+    return manifest
 
 
 def iter_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Stream the records of a shard (for verify, stats, export and rare rewrites)."""
-    with open(path, "rb") as fh:
-        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
-        buffer = b""
-        while chunk := reader.read(1 << 20):
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if line:
-                    yield orjson.loads(line)
-        if buffer.strip():
-            yield orjson.loads(buffer)
+    """Stream the records of a shard (for verify, stats, export and rare rewrites); raises
+    one of READ_ERRORS where the shard is damaged or cut short."""
+    with open_zstd(path) as lines:
+        for line in lines:
+            if line != b"\n":
+                yield orjson.loads(line)
+
+
+def iter_ids(path: Path) -> Iterator[str]:
+    """The id of every record in a shard, in order, without parsing whole records;
+    raises as iter_records does (KeyError: a record without an id)."""
+    with open_zstd(path) as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            found = _ID.search(line, 0, _ID_WITHIN)
+            yield found.group(1).decode() if found else str(orjson.loads(line)["id"])
 
 
 def describe(path: Path) -> ShardInfo:

@@ -3,30 +3,24 @@
 Redis says which shard holds each id (`committed`); this reads the ids the files really
 hold and checks the two agree, one shard at a time, keeping only that shard's ids in
 memory. An id in two shards shows up as "in shard B, committed to A" when B is read, so
-no job-wide set of ids is needed.
+no job-wide set of ids is needed. The index is read through the commit ledger, the
+files through the shard module.
 """
 
 from __future__ import annotations
 
-import io
-import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import orjson
 import redis
-import zstandard
 
 from regen.common import keys
-from regen.common.accounting import text
+from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_ids, shard_paths
 
 BATCH = 1000
-SHARD_GLOB = "shard-*.jsonl.zst"
-# A record starts {"schema":...,"id":"..." (record.build_record): the id is found in a
-# line's first bytes without parsing the rest (token ids, messages) of it.
-_ID = re.compile(rb'"id":"([^"]*)"')
-_ID_WITHIN = 256
 
 Report = Callable[[str, str, str], None]  # kind, subject, detail
 
@@ -48,35 +42,7 @@ def shard_folder(r: redis.Redis, job: str) -> Path | None:
     return Path(orjson.loads(raw)["dir"]) if raw else None
 
 
-def shard_ids(path: Path) -> Iterator[str]:
-    """The id of every record in a shard, in order."""
-    with (
-        open(path, "rb") as fh,
-        zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True) as reader,
-    ):
-        for line in io.BufferedReader(reader, buffer_size=1 << 20):  # type: ignore[arg-type]
-            if not line.strip():
-                continue
-            found = _ID.search(line, 0, _ID_WITHIN)
-            yield found.group(1).decode() if found else str(orjson.loads(line)["id"])
-
-
-def committed_owners(r: redis.Redis, job: str, ids: list[str]) -> list[str | None]:
-    """The shard the committed index puts each id in (None: not committed)."""
-    values = r.hmget(keys.committed(job), ids) if ids else []
-    return [text(v) if v is not None else None for v in values]
-
-
-def shard_names(r: redis.Redis, job: str) -> tuple[set[str], set[str]]:
-    """(shards in place, shards being committed) of the job."""
-    pipe = r.pipeline(transaction=False)
-    pipe.hkeys(keys.shards(job))
-    pipe.hkeys(keys.pending_shards(job))
-    final, pending = pipe.execute()
-    return {text(k) for k in final}, {text(k) for k in pending}
-
-
-def _check_file(r: redis.Redis, job: str, path: Path, report: Report) -> tuple[set[str], int]:
+def _check_file(ledger: CommitLedger, path: Path, report: Report) -> tuple[set[str], int]:
     """Checks each id of one shard against the index; returns (the ids whose index entry
     names this shard, ids read)."""
     name = path.name
@@ -84,9 +50,9 @@ def _check_file(r: redis.Redis, job: str, path: Path, report: Report) -> tuple[s
     seen: set[str] = set()
     read = 0
     try:
-        for batch in batches(shard_ids(path)):
+        for batch in batches(iter_ids(path)):
             read += len(batch)
-            for pid, owner in zip(batch, committed_owners(r, job, batch), strict=True):
+            for pid, owner in zip(batch, ledger.owner_of(batch), strict=True):
                 if pid in seen:
                     report("twice_in_shard", pid, f"{name} holds it more than once")
                 elif owner is None:
@@ -96,13 +62,13 @@ def _check_file(r: redis.Redis, job: str, path: Path, report: Report) -> tuple[s
                 else:
                     matched.add(pid)
                 seen.add(pid)
-    except (OSError, zstandard.ZstdError, orjson.JSONDecodeError, KeyError) as exc:
+    except (OSError, KeyError, *READ_ERRORS) as exc:
         report("unreadable_shard", name, f"after {read} records: {exc}")
     return matched, read
 
 
 def check_shards(
-    r: redis.Redis, job: str, folder: Path, per_shard: Counter[str], report: Report
+    ledger: CommitLedger, folder: Path, per_shard: Counter[str], report: Report
 ) -> tuple[int, int]:
     """Check the job's shard files at `folder` against `committed` (`per_shard`: how many
     ids the index put in each shard). Returns (files read, ids read).
@@ -112,8 +78,8 @@ def check_shards(
     file listed is in one of the two by then. Shards still pending are skipped (their
     ids are in flight).
     """
-    on_disk = {p.name for p in folder.glob(SHARD_GLOB)}
-    final, pending = shard_names(r, job)
+    on_disk = {p.name for p in shard_paths(folder)}
+    final, pending = ledger.shard_names()
     for name in sorted(final - on_disk):
         if not (folder / name).exists():  # not placed after the listing either
             report("missing_shard_file", name, f"listed, {per_shard[name]} ids, not in {folder}")
@@ -122,14 +88,13 @@ def check_shards(
     for name in sorted(on_disk - pending):
         if name not in final:
             report("unlisted_shard", name, f"in {folder} but not one of the job's shards")
-        matched, read = _check_file(r, job, folder / name, report)
+        matched, read = _check_file(ledger, folder / name, report)
         files += 1
         ids_read += read
         if len(matched) < per_shard[name]:
             short[name] = matched
     if short:  # rare: name the ids the index puts in a shard that lacks them
-        for pid_raw, shard_raw in r.hscan_iter(keys.committed(job), count=BATCH):
-            pid, shard = text(pid_raw), text(shard_raw)
+        for pid, shard in ledger.iter_committed(BATCH):
             if shard in short and pid not in short[shard]:
                 report("not_in_shard", pid, f"committed to {shard}, not in its file")
     return files, ids_read

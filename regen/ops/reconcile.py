@@ -34,17 +34,12 @@ from typing import Any
 
 import redis
 
-from regen.common import accounting, keys, locate
-from regen.common.accounting import text
+from regen.common import keys
 from regen.common.jobspec import JobSpec
-from regen.reconcile_shards import (
-    BATCH,
-    batches,
-    check_shards,
-    committed_owners,
-    shard_folder,
-    shard_names,
-)
+from regen.consumers.tokenize.commit import CommitLedger
+from regen.ops import accounting, locate
+from regen.ops.accounting import text
+from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder
 
 # Problems kept per kind, with their ids; beyond that they are only counted.
 MAX_LISTED = 100
@@ -104,7 +99,9 @@ class _Window:
     everywhere: set[str] = field(default_factory=set)  # every id seen, for "not enqueued"
 
 
-def _read_window(r: redis.Redis, spec: JobSpec, report: Reconciliation | None) -> _Window:
+def _read_window(
+    r: redis.Redis, ledger: CommitLedger, spec: JobSpec, report: Reconciliation | None
+) -> _Window:
     """Read in the direction prompts move (queues, workers, stream, shards being
     committed, DLQs), so a prompt moving on meanwhile is seen twice, not missed."""
     w = _Window()
@@ -116,7 +113,7 @@ def _read_window(r: redis.Redis, spec: JobSpec, report: Reconciliation | None) -
                 report.problem("in_two_chunks", pid, f"chunks {other} and {chunk.chunk_id}")
             (w.in_flight if chunk.in_flight else w.waiting).add(pid)
     w.stream.update(locate.stream_result_ids(r, spec.name))
-    w.pending = accounting.pending_claims(r, spec.name)
+    w.pending = {shard: claim.ids for shard, claim in ledger.pending().items()}
     w.in_flight.update(w.stream, *w.pending.values())
     for stage in keys.STAGES:
         w.reasons[stage] = accounting.dead_letter_reasons(r, spec.name, stage)
@@ -170,21 +167,15 @@ def _classify(
     return second_look
 
 
-def _check_owners(
-    r: redis.Redis, job: str, per_shard: Counter[str], report: Reconciliation
-) -> None:
+def _check_owners(ledger: CommitLedger, per_shard: Counter[str], report: Reconciliation) -> None:
     """Every shard the index names is in place or pending. Read after the index: a shard
     claimed meanwhile is pending or in place by now; one released meanwhile (its claim
     undone) has no ids left, which a second look at the index shows."""
-    final, pending = shard_names(r, job)
+    final, pending = ledger.shard_names()
     unknown = per_shard.keys() - final - pending
     if not unknown:
         return
-    still = Counter(
-        text(shard)
-        for _, shard in r.hscan_iter(keys.committed(job), count=BATCH)
-        if text(shard) in unknown
-    )
+    still = Counter(shard for _, shard in ledger.iter_committed(BATCH) if shard in unknown)
     for shard, count in sorted(still.items()):
         detail = f"{count} ids committed to it; it is neither in place nor pending"
         report.problem("unknown_shard", shard, detail)
@@ -200,28 +191,28 @@ def reconcile(
 ) -> Reconciliation:
     """Reconcile the job; `shards_dir` overrides where its shards are read from."""
     job = spec.name
+    ledger = CommitLedger(r, job)
     report = Reconciliation(job)
-    w = _read_window(r, spec, report)
+    w = _read_window(r, ledger, spec, report)
     enqueued = _enqueued(r, job)
     report.enqueued = len(enqueued)
     second_look = []
     for batch in batches(enqueued):
-        second_look += _classify(report, w, batch, committed_owners(r, job, batch), False)
+        second_look += _classify(report, w, batch, ledger.owner_of(batch), False)
     if second_look:  # on a running job, an id may have moved between two reads
-        fresh = _read_window(r, spec, None)
-        _classify(report, fresh, second_look, committed_owners(r, job, second_look), True)
+        fresh = _read_window(r, ledger, spec, None)
+        _classify(report, fresh, second_look, ledger.owner_of(second_look), True)
     report.places.setdefault("missing", 0)  # shown even when none
     for pid in w.everywhere - enqueued:
         report.problem("not_enqueued", pid, "in the pipeline but not in the job's ids")
 
     per_shard: Counter[str] = Counter()
-    for pid_raw, shard_raw in r.hscan_iter(keys.committed(job), count=BATCH):
-        pid, shard = text(pid_raw), text(shard_raw)
+    for pid, shard in ledger.iter_committed(BATCH):
         per_shard[shard] += 1
         if pid not in enqueued:
             report.problem("not_enqueued", pid, f"committed to {shard} but not in the job's ids")
     enqueued.clear()  # the largest thing held; what follows needs only per_shard
-    _check_owners(r, job, per_shard, report)
+    _check_owners(ledger, per_shard, report)
 
     if not read_shards:
         report.shards_note = "shard files not read (--no-shards)"
@@ -237,6 +228,6 @@ def reconcile(
         )
         return report
     report.shards_read, report.shard_ids_read = check_shards(
-        r, job, folder, per_shard, report.problem
+        ledger, folder, per_shard, report.problem
     )
     return report

@@ -1,0 +1,130 @@
+"""The generate worker's Prometheus metrics: its progress and its engine's view of each
+server, read from its state at scrape time, and chunk outcomes counted from Celery's
+task_postrun signal (common/metrics.py serves them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from celery import states
+from celery.signals import task_postrun
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from regen.common.celery_app import GENERATE_TASK
+from regen.common.metrics import WorkerMetrics
+from regen.consumers.generate.chunk_runner import ChunkContext
+
+
+class GenerateCollector(Collector):
+    """A generate worker's progress and its engine's view of each server."""
+
+    def __init__(self, ctx: ChunkContext, engine_healthy: Callable[[], bool]) -> None:
+        self._ctx = ctx
+        self._engine_healthy = engine_healthy
+
+    def collect(self) -> Iterator[Metric]:
+        ctx = self._ctx
+        yield CounterMetricFamily(
+            "regen_generate_prompts",
+            "Prompts generated and handed to the tokenize stage by this worker.",
+            value=ctx.prompts.total,
+        )
+        yield CounterMetricFamily(
+            "regen_generate_output_tokens",
+            "Tokens generated (completion tokens) in the prompts handed off.",
+            value=ctx.tokens.total,
+        )
+        yield GaugeMetricFamily(
+            "regen_generate_inflight_prompts",
+            "Prompts of the chunks this worker holds that are not finished yet.",
+            value=ctx.inflight,
+        )
+        yield GaugeMetricFamily(
+            "regen_generate_engine_healthy",
+            "1 while the engine has a healthy server, i.e. the worker consumes chunks.",
+            value=int(self._engine_healthy()),
+        )
+        yield from _server_metrics(ctx.runner.engine.stats().get("servers", []))
+
+
+def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per-server series from the SGLang engine's stats (other engines have no servers)."""
+    if not servers:
+        return
+    labels = ["server"]
+    healthy = GaugeMetricFamily(
+        "regen_sglang_server_healthy",
+        "1 when the server passed its last health probe.",
+        labels=labels,
+    )
+    inflight = GaugeMetricFamily(
+        "regen_sglang_server_inflight",
+        "Requests this worker has in flight on the server.",
+        labels=labels,
+    )
+    completed = CounterMetricFamily(
+        "regen_sglang_server_requests_completed", "Requests the server completed.", labels=labels
+    )
+    failures = CounterMetricFamily(
+        "regen_sglang_server_failures",
+        "Failed requests by kind (each is retried; only a refusal dead-letters a prompt).",
+        labels=["server", "kind"],
+    )
+    for server in servers:
+        url = server["url"]  # redacted by the engine: no credentials reach the metrics
+        healthy.add_metric([url], int(server["healthy"]))
+        inflight.add_metric([url], server["inflight"])
+        completed.add_metric([url], server["completed"])
+        for kind, count in sorted(server["failures_by_kind"].items()):
+            failures.add_metric([url, kind], count)
+    yield from (healthy, inflight, completed, failures)
+
+
+class ChunkOutcomes:
+    """Counts finished chunks from Celery's task_postrun signal (no state keeps them)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.chunks = Counter(
+            "regen_generate_chunks",
+            "Chunks this worker finished: acked (every prompt handed off or dead-lettered) "
+            "or returned (given back to the queue, e.g. the engine stayed unavailable).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.dead_lettered = Counter(
+            "regen_generate_dead_lettered_prompts",
+            "Prompts this worker dead-lettered: refused by a healthy server, or of a chunk "
+            "past its attempts.",
+            registry=registry,
+        )
+        for outcome in ("acked", "returned"):
+            self.chunks.labels(outcome)
+
+    def on_postrun(
+        self, sender: Any = None, state: str | None = None, retval: Any = None, **_: Any
+    ) -> None:
+        if getattr(sender, "name", None) != GENERATE_TASK:
+            return
+        if state == states.SUCCESS:  # acks_late: a task that returns is acknowledged
+            self.chunks.labels("acked").inc()
+            if isinstance(retval, dict):
+                self.dead_lettered.inc(retval.get("dead_lettered", 0))
+        elif state == states.REJECTED:  # the task gives a chunk back with Reject(requeue)
+            self.chunks.labels("returned").inc()
+        else:
+            self.chunks.labels(str(state).lower()).inc()
+
+
+def generate_metrics(
+    name: str, redis_url: str, ctx: ChunkContext, engine_healthy: Callable[[], bool]
+) -> WorkerMetrics:
+    metrics = WorkerMetrics(name, "generate", redis_url)
+    metrics.add(GenerateCollector(ctx, engine_healthy))
+    outcomes = ChunkOutcomes(metrics.registry)
+    # A strong reference: Celery keeps weak ones by default and would drop a bound method.
+    task_postrun.connect(outcomes.on_postrun, weak=False)
+    metrics.on_close(lambda: task_postrun.disconnect(outcomes.on_postrun))
+    return metrics
