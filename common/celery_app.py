@@ -38,7 +38,8 @@ def broker_transport_options() -> dict[str, object]:
 def make_app(redis_url: str) -> Celery:
     app = Celery("regen", broker=redis_url, set_as_current=False)
     app.conf.update(
-        # JSON only: a pickle in Redis would run code on every worker (invariant 7).
+        # JSON only: a pickle in Redis would run code on every worker (docs/design.md,
+        # "JSON, never pickle").
         task_serializer="json",
         accept_content=["json"],
         result_serializer="json",

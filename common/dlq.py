@@ -104,8 +104,8 @@ def find(r: redis.Redis, entry_id: str, selection: Selection) -> list[DeadLetter
     return [letter for letter in found if selection.matches(letter)]
 
 
-# KEYS: dlq hash, counters hash; ARGV: entry ids. Counts what it removed, so a purged id
-# stays accounted for (the job's `dlq_purged` counter) even though it is gone.
+# KEYS: dlq hash, counters hash, purged-ids set; ARGV: entry ids. Counts what it removed,
+# so a purged id stays accounted for (the job's `dlq_purged` counter) even though it is gone.
 # Purged prompt ids are remembered (ids only), so `regen verify` can tell a purged
 # prompt from a lost one; bad input rows (`row:`) and malformed tasks have no prompt id.
 _PURGE_LUA = """

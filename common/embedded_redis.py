@@ -51,7 +51,7 @@ def redis_config(data_dir: Path, port: int, *, unixsocket: Path | None = None) -
         "--appendonly",
         "yes",
         # Every acknowledged write is on disk: a kill -9 of Redis loses nothing that a
-        # stage already acted on (DESIGN.md invariant 1).
+        # stage already acted on (docs/design.md, Redis settings).
         "--appendfsync",
         "always",
         "--save",

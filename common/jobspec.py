@@ -19,7 +19,7 @@ from regen.common.connection import bytes_set
 
 SPEC_VERSION = 1
 
-# SGLang sampling_params regen lets a job set (DESIGN.md "SGLang facts").
+# SGLang sampling_params regen lets a job set (docs/design.md, SGLang contract).
 SAMPLING_KEYS = frozenset(
     {
         "max_new_tokens",

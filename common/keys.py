@@ -1,7 +1,8 @@
 """Every Redis key and queue name regen uses, built in one place (like arq's constants).
 
-Per-job keys hold ids and small records only; prompt payloads exist in Redis only while
-their chunk is waiting or in flight (DESIGN.md invariant 5).
+Per-job keys hold ids and small records, except dead letters: prompt payloads are in Redis
+while their chunk is waiting or in flight, as a result not yet in a shard, or in a DLQ
+entry (which keeps what a requeue needs); see docs/design.md, Memory bound.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 JOBS = f"{PREFIX}:jobs"
 # Hash worker name -> heartbeat JSON.
 WORKERS = f"{PREFIX}:workers"
-# Where the embedded Redis and the tokenizer workers say they are.
+# Hash job -> JSON {dir, host, worker}: where a tokenize worker writes the job's shards
+# (read by verify and status).
 TOKENIZE_OUTPUTS = f"{PREFIX}:tokenize:outputs"
 # kombu's Redis transport keeps delivered, unacknowledged messages of every queue in
 # this hash: delivery tag -> JSON [message, exchange, routing key]. Named by kombu
@@ -59,7 +61,8 @@ def job_cursors(job: str) -> str:
 
 
 def job_counters(job: str) -> str:
-    """Hash: producer and stage counters (rows_read, enqueued, duplicates, ...)."""
+    """Hash: job counters: enqueued and requeued (producer, requeue), dlq_purged (purge),
+    committed_prompts, committed_output_tokens and committed_shard_bytes (shard finalize)."""
     return _job(job, "counters")
 
 
@@ -69,7 +72,9 @@ def job_chunks(job: str) -> str:
 
 
 def chunk_attempts(job: str) -> str:
-    """Hash: chunk id -> JSON list of delivery attempts (worker, host, time)."""
+    """Key prefix: `chunk_attempts(job) + ":" + chunk_id` is a list per chunk of JSON
+    delivery attempts {worker, time, status, error}, expiring 2 x the visibility timeout
+    after its last delivery."""
     return _job(job, "attempts")
 
 
@@ -84,7 +89,8 @@ def results_stream(job: str) -> str:
 
 
 def committed(job: str) -> str:
-    """Hash: prompt id -> shard name that holds its record (the exactly-once index)."""
+    """Hash: prompt id -> shard that holds its record, or that claims it while the shard
+    is pending (the exactly-once index)."""
     return _job(job, "committed")
 
 

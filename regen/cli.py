@@ -1,4 +1,5 @@
-"""`regen`: the command line. Each subcommand lives in a module of its own."""
+"""`regen`: the command line: the group and `demo` are here; the other subcommands live in
+cli_*.py modules (cli_status also holds verify, cli_plan also holds preflight)."""
 
 from __future__ import annotations
 

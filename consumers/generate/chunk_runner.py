@@ -5,7 +5,7 @@ Each result is handed off (XADD on the job's results stream) in the same transac
 that marks the prompt generated for this chunk, so a redelivered chunk (its worker died,
 or its visibility timeout passed) skips the prompts already handed off. The Celery task
 acknowledges the chunk only when this returns (acks_late), i.e. after every prompt is in
-the results stream or the DLQ (DESIGN.md invariant 3).
+the results stream or the DLQ (docs/design.md, Delivery protocol).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class EngineError(Exception):
 class EngineUnavailable(EngineError):
     """The engine cannot serve right now (down, overloaded, timed out): retry later.
 
-    Never a reason to dead-letter a prompt (DESIGN.md invariant 6).
+    Never a reason to dead-letter a prompt (docs/design.md, "A dead server is not a bad prompt").
     """
 
 

@@ -4,9 +4,9 @@ A chunk's prompts finish over time and its slowest one holds it open; with a lon
 spread of answer lengths most held chunks are mostly done. A fixed number of chunks
 therefore either starves the server (tails) or hoards the queue. Instead the worker
 watches its outstanding prompts (submitted, not finished) against the engine's
-capacity and moves Celery's prefetch limit: up by the chunks that would fill the
-engine's free slots while fewer prompts are outstanding than it has slots, down one
-chunk at a time while more than twice as many are.
+capacity and moves Celery's prefetch limit: up by the chunks that cover the shortfall
+while fewer than LOW times its slots are outstanding and every allowed chunk is held,
+down one chunk at a time while more than HIGH times its slots are.
 bench/generate_utilization.py measures the result.
 """
 

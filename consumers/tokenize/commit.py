@@ -7,8 +7,8 @@ Commit protocol for a shard (the file is already durably written under its temp 
    temp file, and claims again);
 2. the owner renames the file into place (only while its lease has a safety margin left);
 3. finalize: one Lua script moves the shard from pending to the job's shard list, acks
-   and deletes its stream entries, drops any dead letters of its ids (a requeued id
-   that succeeds leaves the DLQ), and adds the shard to the job's committed counters and
+   and deletes its stream entries, drops its ids' generate and tokenize dead letters (a
+   requeued id that succeeds leaves the DLQ), and adds the shard to the job's committed counters and
    progress samples (what `regen status` reads its rates from).
 A crash between 1 and 3 leaves a pending shard; once its lease expires any consumer of
 the job resolves it from the filesystem alone: a shard in place is finalized, a missing

@@ -1,7 +1,7 @@
 """One job's side of a tokenize consumer: results in, records into shards, commits out.
 
 Stream entries are acknowledged only when the shard holding their record is in place
-and committed (DESIGN.md invariant 3), or at once when their id is already in a
+and committed (docs/design.md, Exactly-once commits), or at once when their id is already in a
 committed shard (a duplicate from a chunk that ran twice). An entry whose id is claimed
 by a shard that is still pending is left alone: it is either committed (then a later
 delivery is a duplicate) or released (then it is written again).

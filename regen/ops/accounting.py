@@ -1,7 +1,7 @@
 """Where a job's prompts are: the counts `regen status` shows, and the reads it shares
 with `regen verify` (ops/locate.py holds verify's id-level reads).
 
-A prompt id is, at any moment, in one of these places (DESIGN.md invariant 1):
+A prompt id is, at any moment, in one of these places (docs/design.md, Accounting):
 - waiting: in a chunk on the job's generate queue (kombu's Redis lists);
 - in flight: in a chunk a worker holds (kombu's `unacked` hash), as a result on the
   job's results stream, or claimed by a shard that is still being committed;

@@ -68,9 +68,10 @@ class SGLangHTTPEngine:
 
         `give_up_after_s`: how long one generate() may wait for a usable server before
         raising EngineUnavailable. None (the default) waits for ever: an outage is not
-        the prompt's fault (DESIGN.md invariant 6), and failing would only send the chunk
-        round Celery's retries and burn its attempt cap. A worker whose task must end
-        before the broker's visibility timeout passes `deadline` to generate() instead.
+        the prompt's fault (docs/design.md, "A dead server is not a bad prompt"), and
+        failing would only send the chunk round Celery's retries and burn its attempt cap.
+        A worker whose task must end before the broker's visibility timeout passes
+        `deadline` to generate() instead.
         """
         self._pool = ServerPool(
             servers,
