@@ -17,8 +17,9 @@ from regen.cli_plan import plan
 from regen.common import dlq, jobspec, keys
 from regen.common.accounting import count_places
 from regen.common.chat_family import render_prompt_ids
-from regen.common.chunk import ChunkPrompt
+from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import turn_id
+from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
 from regen.consumers.generate.job_chat import load_job_chat
 from regen.consumers.generate.turn_state import Turn, next_turn
 from regen.producer.conversations import split_turns
@@ -144,6 +145,42 @@ def test_a_first_turn_too_long_blocks_its_conversation_until_requeued(
     assert prompt.conversation == conversation and prompt.accounted_ids == ids
     assert chunk["sampling"] == {"max_new_tokens": 16}
     assert count_places(r, spec).waiting == 3
+
+
+def test_a_poison_chunk_dead_letters_each_conversation_at_its_open_turn(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """A chunk whose deliveries keep dying after its first turn was handed off: the
+    conversation is dead-lettered at its second turn, on the checkpointed answer."""
+    enqueue(redis_url, [write_jsonl(tmp_path / "d.jsonl", [ROW])], turns="all")
+    spec = jobspec.load(r, "j")
+    (payload,) = queued_chunks(r, spec.queue)
+    chunk = Chunk.from_payload(payload)
+    (prompt,) = chunk.prompts
+    assert prompt.conversation is not None
+    ids = prompt.accounted_ids
+    answer = {"role": "assistant", "content": "Mars.", "reasoning_content": "Hm."}
+    answers = keys.conversation_answers("j", prompt.conversation.id)
+    r.sadd(keys.chunk_generated("j", chunk.chunk_id), ids[0])  # as turn 0's hand-off does
+    r.hset(answers, "0", orjson.dumps(answer))
+    started = orjson.dumps({"worker": "w", "time": 0.0, "status": "started"})
+    r.rpush(keys.chunk_attempts("j") + ":" + chunk.chunk_id, *[started] * 3)
+
+    ctx = ChunkContext(redis=r, runner=None, max_attempts=3)  # type: ignore[arg-type]
+    outcome = run_chunk(ctx, chunk)
+    assert (outcome.generated, outcome.skipped, outcome.dead_lettered) == (0, 1, 2)
+    letters = {letter.entry_id: letter for letter in dlq.entries(r, "j", "generate")}
+    assert set(letters) == set(ids[1:]) and letters[ids[2]].reason == "blocked"
+    poisoned = letters[ids[1]]
+    assert poisoned.reason == "poison_chunk" and poisoned.payload["prompt_ids"] == []
+    assert poisoned.payload["messages"] == [SYSTEM, USER_TURNS[0], answer, USER_TURNS[1]]
+    assert not r.exists(answers), "the dead letter holds the history now"
+
+    done = CliRunner().invoke(dlq_group, ["requeue", ids[1], "--redis-url", redis_url])
+    assert "requeued 2 prompt(s) in 1 new chunk(s)" in done.output, done.output
+    resumed = Chunk.from_payload(queued_chunks(r, spec.queue)[-1]).prompts[0]
+    assert resumed.conversation == prompt.conversation.from_turn(1)
+    assert resumed.accounted_ids == ids[1:] and resumed.messages == poisoned.payload["messages"]
 
 
 @pytest.mark.parametrize("preserve_thinking", [False, True])
