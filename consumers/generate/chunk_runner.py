@@ -40,7 +40,7 @@ from regen.consumers.generate.settle import (
     generated_result,
     mark_generated,
 )
-from regen.consumers.generate.turns import dead_letter_conversations, run_conversations
+from regen.consumers.generate.turns import dead_letter_conversation, run_conversations
 
 log = logging.getLogger("regen.generate")
 
@@ -128,30 +128,26 @@ def _dead_letter_all(
     settled: set[str],
     history: list[dict[str, object]],
 ) -> int:
-    message = (
-        f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
-        "(its worker died, or it failed: see history)"
-    )
-    conversations = [p for p in prompts if p.conversation is not None]
-    count = 0
-    if conversations:
-        count += dead_letter_conversations(
-            ctx, chunk, conversations, settled, message=message, history=history
-        )
+    """Dead-letter the chunk's open prompts (a conversation at its open turn); returns
+    how many ids that settled."""
+    letter: dict[str, Any] = {
+        "worker": ctx.worker,
+        "reason": "poison_chunk",
+        "message": (
+            f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
+            "(its worker died, or it failed: see history)"
+        ),
+        "attempts": len(history),
+        "history": history,
+    }
     pipe = ctx.redis.pipeline()
+    count = 0
     for prompt in prompts:
         if prompt.conversation is None:
-            dead_letter(
-                pipe,
-                chunk,
-                prompt,
-                worker=ctx.worker,
-                reason="poison_chunk",
-                message=message,
-                attempts=len(history),
-                history=history,
-            )
+            dead_letter(pipe, chunk, prompt, **letter)
             count += 1
+        else:
+            count += dead_letter_conversation(ctx.redis, pipe, chunk, prompt, settled, **letter)
     pipe.execute()
     return count
 

@@ -17,6 +17,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from regen.common import crashpoints
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
@@ -161,41 +163,28 @@ def run_conversations(
     return conversations.generated, conversations.dead_lettered
 
 
-def dead_letter_conversations(
-    ctx: ChunkContext,
+def dead_letter_conversation(
+    r: redis.Redis,
+    pipe: redis.client.Pipeline,
     chunk: Chunk,
-    prompts: list[ChunkPrompt],
+    prompt: ChunkPrompt,
     settled: set[str],
     *,
     message: str,
-    history: list[dict[str, object]],
+    **letter: Any,
 ) -> int:
-    """A poison chunk: dead-letter each conversation at its open turn, with the history
-    checkpointed so far (nothing rendered: the tokenizer may be what failed)."""
-    pipe = ctx.redis.pipeline()
-    count = 0
-    for prompt in prompts:
-        why = message
-        try:
-            turn = resume(ctx.redis, chunk, prompt, settled)
-        except HistoryLost as exc:
-            # Not resumable: the entry says so and keeps no prompt to requeue.
-            why = f"{message}; {exc}"
-            turn = _open_turn_without_history(prompt, settled)
-        if turn is None:
-            continue
-        count += dead_letter_turn(
-            pipe,
-            chunk,
-            turn,
-            worker=ctx.worker,
-            reason="poison_chunk",
-            message=why,
-            attempts=len(history),
-            history=history,
-        )
-    pipe.execute()
-    return count
+    """Dead-letter a conversation of a poison chunk at its open turn, with the history
+    checkpointed so far (nothing rendered: the tokenizer may be what failed); returns
+    the turns settled."""
+    try:
+        turn = resume(r, chunk, prompt, settled)
+    except HistoryLost as exc:
+        # Not resumable: the entry says so and keeps no prompt to requeue.
+        message = f"{message}; {exc}"
+        turn = _open_turn_without_history(prompt, settled)
+    if turn is None:
+        return 0
+    return dead_letter_turn(pipe, chunk, turn, message=message, **letter)
 
 
 def _open_turn_without_history(prompt: ChunkPrompt, settled: set[str]) -> Turn:
