@@ -78,14 +78,15 @@ def chunk_generated(job: str, chunk_id: str) -> str:
     return _job(job, f"chunk:{chunk_id}:generated")
 
 
-def conversation_answers(job: str, conversation_id: str) -> str:
+def conversation_answers(job: str, chunk_id: str, conversation_id: str) -> str:
     """Hash: turn -> JSON of the target's answer (its assistant message) for a
-    conversation regenerated turn by turn (`--turns all`), written with each turn's
-    hand-off: the checkpoint a redelivered chunk resumes the conversation from. Deleted
-    with the hand-off of its last turn or when the conversation is dead-lettered (the
-    dead letter holds the history), and it expires with its chunk's `generated` set:
-    it exists only while its chunk is in the job's window."""
-    return _job(job, f"conversation:{conversation_id}:answers")
+    conversation of a chunk, regenerated turn by turn (`--turns all`), written with each
+    turn's hand-off: the checkpoint a redelivery of the chunk resumes the conversation
+    from. Deleted with the hand-off of the last turn or when the conversation is
+    dead-lettered (the dead letter holds the history), and it expires with the chunk's
+    `generated` set: it exists only while its chunk is in the job's window. Per chunk, so
+    a requeued turn (a new chunk) never touches the checkpoint of another."""
+    return _job(job, f"chunk:{chunk_id}:conversation:{conversation_id}:answers")
 
 
 def results_stream(job: str) -> str:

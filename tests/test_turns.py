@@ -160,7 +160,7 @@ def test_a_poison_chunk_dead_letters_each_conversation_at_its_open_turn(
     assert prompt.conversation is not None
     ids = prompt.accounted_ids
     answer = {"role": "assistant", "content": "Mars.", "reasoning_content": "Hm."}
-    answers = keys.conversation_answers("j", prompt.conversation.id)
+    answers = keys.conversation_answers("j", chunk.chunk_id, prompt.conversation.id)
     r.sadd(keys.chunk_generated("j", chunk.chunk_id), ids[0])  # as turn 0's hand-off does
     r.hset(answers, "0", orjson.dumps(answer))
     started = orjson.dumps({"worker": "w", "time": 0.0, "status": "started"})

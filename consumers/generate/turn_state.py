@@ -72,6 +72,10 @@ class Turn:
         return dataclasses.replace(generated, conversation_id=self.conversation.id, turn=self.index)
 
 
+def _answers_key(chunk: Chunk, conversation: Conversation) -> str:
+    return keys.conversation_answers(chunk.job, chunk.chunk_id, conversation.id)
+
+
 def following_messages(turn: Turn, answer: dict[str, Any]) -> list[dict[str, Any]] | None:
     """What follows the target's `answer` to `turn`: the dataset's messages before the
     next turn, or None where the conversation ends. The one place that decides it (a
@@ -104,9 +108,9 @@ def resume(r: redis.Redis, chunk: Chunk, prompt: ChunkPrompt, settled: set[str])
     first_open = conversation.end - len(open_turns)
     if first_open == turn.index:
         return turn
-    key = keys.conversation_answers(chunk.job, conversation.id)
     wanted = list(range(conversation.start, first_open))
-    answers = cast("list[bytes | None]", r.hmget(key, [str(i) for i in wanted]))
+    fields = [str(i) for i in wanted]
+    answers = cast("list[bytes | None]", r.hmget(_answers_key(chunk, conversation), fields))
     for index, raw in zip(wanted, answers, strict=True):
         if raw is None:
             raise HistoryLost(f"{turn_id(conversation.id, index)} is settled, its answer lost")
@@ -116,10 +120,10 @@ def resume(r: redis.Redis, chunk: Chunk, prompt: ChunkPrompt, settled: set[str])
     return turn
 
 
-def checkpointed_answer(r: redis.Redis, job: str, turn: Turn) -> dict[str, Any] | None:
+def checkpointed_answer(r: redis.Redis, chunk: Chunk, turn: Turn) -> dict[str, Any] | None:
     """The answer another delivery handed off for `turn`; None once its conversation has
     no checkpoint (ended, or dead-lettered)."""
-    raw = r.hget(keys.conversation_answers(job, turn.conversation.id), str(turn.index))
+    raw = r.hget(_answers_key(chunk, turn.conversation), str(turn.index))
     return None if raw is None else cast("dict[str, Any]", orjson.loads(raw))
 
 
@@ -133,7 +137,7 @@ def hand_off(
         keys=[
             keys.chunk_generated(chunk.job, chunk.chunk_id),
             keys.results_stream(chunk.job),
-            keys.conversation_answers(chunk.job, turn.conversation.id),
+            _answers_key(chunk, turn.conversation),
         ],
         args=[
             turn.prompt.id,
@@ -157,5 +161,5 @@ def dead_letter_turn(pipe: redis.client.Pipeline, chunk: Chunk, turn: Turn, **le
         dlq.put(pipe, each)
     if blocked:
         mark_generated(pipe, chunk, *(each.entry_id for each in blocked))
-    pipe.delete(keys.conversation_answers(chunk.job, turn.conversation.id))
+    pipe.delete(_answers_key(chunk, turn.conversation))
     return 1 + len(blocked)

@@ -126,7 +126,7 @@ class _Conversations:
             ctx.tokens.add(output.completion_tokens)
             ctx.prompts.add()
         else:  # another delivery of the chunk settled it first: go on from its answer
-            settled = checkpointed_answer(ctx.redis, self.chunk.job, turn)
+            settled = checkpointed_answer(ctx.redis, self.chunk, turn)
             if settled is None:
                 return
             answer = settled
