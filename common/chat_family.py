@@ -239,6 +239,24 @@ def split_reasoning(
     return reasoning, answer
 
 
+def split_output(
+    family: ChatFamily, prompt_ids: Sequence[int], text: str
+) -> tuple[str | None, str]:
+    """`split_reasoning` of generated text, the prompt saying whether it opened the span."""
+    opened = family.think_open_id is not None and prompt_opens_think(family, prompt_ids)
+    return split_reasoning(family, text, opened_in_prompt=opened)
+
+
+def assistant_message(reasoning: str | None, answer: str) -> dict[str, Any]:
+    """A generated turn as a chat template takes it back: the answer as `content`, the
+    reasoning (where the output had a think span) as `reasoning_content`, which templates
+    keep or drop in history as serving does."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
+
+
 def _think_span(
     family: ChatFamily, text: str, opened_in_prompt: bool | None
 ) -> tuple[int, int | None] | None:

@@ -4,6 +4,9 @@ Its id is derived from its prompt ids, so the same prompts always form the same 
 and it travels as plain JSON (Celery's json serializer; never pickle). A chunk built by
 `regen dlq requeue` salts its id (so it never meets the bookkeeping of the chunk its
 prompts first came in) and may carry sampling params that override the job's.
+
+With `--turns all` a prompt carries a conversation (common/conversation.py) and stands
+for each of its turns' ids: `accounted_ids` are what the job's bookkeeping counts.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from regen.common.conversation import Conversation
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,27 @@ class ChunkPrompt:
     messages: list[dict[str, Any]]
     # Provenance: {"file": ..., "row": ..., "id": source row id or None}.
     source: dict[str, Any]
+    # The turns to run (`--turns all`); `id`, `prompt_ids` and `messages` are then its
+    # first turn's, and `prompt_ids` may be empty: the worker renders them.
+    conversation: Conversation | None = None
+
+    @property
+    def accounted_ids(self) -> list[str]:
+        """The ids this prompt settles: its own, or each turn's of its conversation."""
+        return [self.id] if self.conversation is None else self.conversation.turn_ids()
+
+    def to_payload(self) -> dict[str, Any]:
+        payload = asdict(self)
+        if self.conversation is None:
+            del payload["conversation"]  # plain prompts travel as they always have
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> ChunkPrompt:
+        conversation = payload.get("conversation")
+        if conversation is not None:
+            payload = {**payload, "conversation": Conversation(**conversation)}
+        return cls(**payload)
 
 
 @dataclass(frozen=True)
@@ -45,7 +71,7 @@ class Chunk:
         return {
             "job": self.job,
             "chunk": self.chunk_id,
-            "prompts": [asdict(p) for p in self.prompts],
+            "prompts": [p.to_payload() for p in self.prompts],
             "sampling": self.sampling,
         }
 
@@ -55,7 +81,7 @@ class Chunk:
             return cls(
                 job=payload["job"],
                 chunk_id=payload["chunk"],
-                prompts=[ChunkPrompt(**p) for p in payload["prompts"]],
+                prompts=[ChunkPrompt.from_payload(p) for p in payload["prompts"]],
                 sampling=dict(payload.get("sampling") or {}),
             )
         except (KeyError, TypeError) as exc:

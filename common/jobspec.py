@@ -19,6 +19,13 @@ from regen.common.connection import bytes_set
 
 SPEC_VERSION = 1
 
+# Which assistant turns a job regenerates (`regen enqueue --turns`): the last one, on the
+# dataset's history (a spec stored before the option existed means this), or every one
+# in order, each on the target's own earlier answers (common/conversation.py).
+TURNS_LAST = "last"
+TURNS_ALL = "all"
+TURN_MODES = (TURNS_LAST, TURNS_ALL)
+
 # SGLang sampling_params regen lets a job set (docs/design.md, SGLang contract).
 SAMPLING_KEYS = frozenset(
     {
@@ -67,6 +74,7 @@ class JobSpec:
     max_prompt_tokens: int | None
     context_length: int | None
     queue: str
+    turns: str = TURNS_LAST
     version: int = SPEC_VERSION
     created: float = field(default_factory=time.time, compare=False)
 
@@ -81,6 +89,8 @@ class JobSpec:
         max_new = self.sampling.get("max_new_tokens")
         if not isinstance(max_new, int) or max_new < 1:
             raise JobSpecError("sampling.max_new_tokens must be a positive integer")
+        if self.turns not in TURN_MODES:
+            raise JobSpecError(f"turns must be one of {', '.join(TURN_MODES)}, not {self.turns!r}")
         if self.chunk_size < 1:
             raise JobSpecError("chunk_size must be at least 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -83,6 +83,17 @@ def chunk_generated(job: str, chunk_id: str) -> str:
     return _job(job, f"chunk:{chunk_id}:generated")
 
 
+def conversation_answers(job: str, chunk_id: str, conversation_id: str) -> str:
+    """Hash: turn -> JSON of the target's answer (its assistant message) for a
+    conversation of a chunk, regenerated turn by turn (`--turns all`), written with each
+    turn's hand-off: the checkpoint a redelivery of the chunk resumes the conversation
+    from. Deleted with the hand-off of the last turn or when the conversation is
+    dead-lettered (the dead letter holds the history), and it expires with the chunk's
+    `generated` set: it exists only while its chunk is in the job's window. Per chunk, so
+    a requeued turn (a new chunk) never touches the checkpoint of another."""
+    return _job(job, f"chunk:{chunk_id}:conversation:{conversation_id}:answers")
+
+
 def results_stream(job: str) -> str:
     """Stream: one entry per generated result, consumed by the tokenize stage."""
     return _job(job, "results")

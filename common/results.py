@@ -37,6 +37,9 @@ class GeneratedResult:
     # The sampling params sent (the job's, with the chunk's override merged over them).
     # Empty in results written before this field existed: those used the job's.
     sampling: dict[str, Any] = field(default_factory=dict)
+    # With `--turns all`: the conversation and the turn (0 first) this result answers.
+    conversation_id: str | None = None
+    turn: int | None = None
 
     def to_fields(self) -> dict[bytes, bytes]:
         return {FIELD: orjson.dumps(asdict(self))}

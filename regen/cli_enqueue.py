@@ -61,6 +61,7 @@ def enqueue(
     system_prompt: str | None,
     max_prompt_tokens: int | None,
     context_length: int | None,
+    turns: str,
     queue: str | None,
     limit: int | None,
     high_water: int,
@@ -93,6 +94,7 @@ def enqueue(
         chunk_size=chunk_size,
         max_prompt_tokens=max_prompt_tokens,
         context_length=context_length,
+        turns=turns,
         queue=queue,
     )
     prepared = prepare_job_or_fail(options)

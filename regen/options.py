@@ -9,6 +9,7 @@ import click
 import orjson
 
 from regen.common import defaults
+from regen.common.jobspec import TURN_MODES, TURNS_LAST
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -117,5 +118,13 @@ def target_options(func: F) -> F:
             type=click.IntRange(min=2),
             default=None,
             help="The server's context length (default: from the model's config).",
+        ),
+        click.option(
+            "--turns",
+            type=click.Choice(TURN_MODES),
+            default=TURNS_LAST,
+            show_default=True,
+            help="Regenerate the last assistant turn, on the dataset's history, or every "
+            "turn in order, each on the target's own earlier answers (one record a turn).",
         ),
     ])  # fmt: skip

@@ -49,6 +49,7 @@ def make_record(
         "sampling": {"max_new_tokens": 64}, "chat_template_kwargs": {},
         "source": {"file": "d.jsonl", "row": 0}, "drift": drift,
         "drift_at": (prompt + 1) if drift else None, "server": "s", "generated_by": "w",
+        "conversation_id": None, "turn": None,
     }  # fmt: skip
 
 
@@ -95,6 +96,20 @@ def test_verify_passes_on_real_records(tmp_path: Path, kimi_tokenizer: Any) -> N
     output = ids(kimi_tokenizer, "Let me think.", THINK_END, "The answer is 4.", IM_END)
     write_shard(tmp_path / "job-1", 1, [build_record(make_result(ctx, output), ctx)])
     assert verify(tmp_path / "job-1") == []
+
+
+def test_verify_takes_version_1_records_and_turn_records(tmp_path: Path) -> None:
+    old = make_record("a")
+    old["schema"] = "regen.record/1"
+    del old["conversation_id"], old["turn"]
+    turn = {**make_record("c0f1-2"), "conversation_id": "c0f1", "turn": 2}
+    write_shard(tmp_path / "job", 1, [old, turn])
+    assert verify(tmp_path / "job") == []
+    current = make_record("b")
+    del current["turn"]  # a version 2 record must say its turn (null if none)
+    write_shard(tmp_path / "job", 2, [current])
+    (problem,) = verify(tmp_path / "job")
+    assert problem.kind == "schema" and "turn" in problem.message
 
 
 def test_verify_catches_flipped_bytes(job: Path) -> None:

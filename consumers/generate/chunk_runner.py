@@ -5,15 +5,14 @@ Each result is handed off (XADD on the job's results stream) in the same transac
 that marks the prompt generated for this chunk, so a redelivered chunk (its worker died,
 or its visibility timeout passed) skips the prompts already handed off. The Celery task
 acknowledges the chunk only when this returns (acks_late), i.e. after every prompt is in
-the results stream or the DLQ (docs/design.md, Delivery protocol).
+the results stream or the DLQ (docs/design.md, Delivery protocol). A chunk of conversations
+(`--turns all`) runs each one's turns in order (turns.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -25,33 +24,25 @@ import orjson
 import redis
 from redis.typing import EncodableT, FieldT
 
-from regen.common import defaults, dlq, jobspec, keys
-from regen.common.celery_app import visibility_timeout
+from regen.common import defaults, jobspec, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.connection import bytes_set
 from regen.common.heartbeat import RateMeter
-from regen.common.results import GeneratedResult
-from regen.consumers.generate.engine import (
-    EngineUnavailable,
-    GenerateRequest,
-    GenerateResult,
-    PromptRejected,
-)
+from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+from regen.consumers.generate.job_chat import JobChat, load_job_chat
 from regen.consumers.generate.runner import EngineRunner
+from regen.consumers.generate.settle import (
+    CHUNK_STATE_TTL_S,
+    GIVE_BACK_AFTER_S,
+    ChunkDeferred,
+    dead_letter,
+    generate_with_retry,
+    generated_result,
+    mark_generated,
+)
+from regen.consumers.generate.turns import dead_letter_conversation, run_conversations
 
 log = logging.getLogger("regen.generate")
-
-# Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
-# acknowledgement still finds which prompts are done; then it expires (flat memory).
-CHUNK_STATE_TTL_S = 2 * visibility_timeout()
-# A chunk still waiting for an unavailable engine this far into the visibility timeout is
-# given back to the queue (results already handed off stay done), rather than be
-# redelivered to a second worker while this one still holds it.
-GIVE_BACK_AFTER_S = 0.75 * visibility_timeout()
-
-
-class ChunkDeferred(Exception):
-    """The engine stayed unavailable until the chunk's deadline: give the chunk back."""
 
 
 @dataclass
@@ -69,7 +60,9 @@ class ChunkContext:
     chunks_held: int = 0
     chunk_limit: int = 0
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
+    _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _chat_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count_inflight(self, delta: int) -> None:
         with self._lock:
@@ -84,6 +77,13 @@ class ChunkContext:
         if job not in self._specs:
             self._specs[job] = jobspec.load(self.redis, job)
         return self._specs[job]
+
+    def chat(self, job: str) -> JobChat:
+        """The job's tokenizer and template, loaded on first use (`--turns all` jobs)."""
+        with self._chat_lock:
+            if job not in self._chats:
+                self._chats[job] = load_job_chat(self.spec(job))
+            return self._chats[job]
 
 
 @dataclass(frozen=True)
@@ -121,88 +121,35 @@ def end_attempt(
     ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))  # type: ignore[arg-type]
 
 
-def _mark_generated(pipe: redis.client.Pipeline, chunk: Chunk, prompt_id: str) -> None:
-    """Record that a prompt of the chunk is settled (handed off or dead-lettered), so a
-    redelivery of the chunk skips it."""
-    key = keys.chunk_generated(chunk.job, chunk.chunk_id)
-    pipe.sadd(key, prompt_id)
-    pipe.expire(key, CHUNK_STATE_TTL_S)
-
-
-def _dead_letter(
-    ctx: ChunkContext,
-    pipe: redis.client.Pipeline,
-    chunk: Chunk,
-    prompt: ChunkPrompt,
-    *,
-    reason: str,
-    message: str,
-    attempts: int,
-    history: list[dict[str, object]] | None = None,
-    **payload: Any,
-) -> None:
-    """A generate-stage dead letter holding what a requeue needs, settled in `pipe`."""
-    letter = dlq.DeadLetter(
-        entry_id=prompt.id,
-        job=chunk.job,
-        stage="generate",
-        reason=reason,
-        message=message,
-        prompt_id=prompt.id,
-        source=prompt.source,
-        attempts=attempts,
-        payload={
-            "chunk": chunk.chunk_id,
-            "prompt_ids": prompt.prompt_ids,
-            "messages": prompt.messages,
-            "sampling": chunk.sampling,
-            **payload,
-        },
-        history=history or [],
-        worker=ctx.worker,
-    )
-    dlq.put(pipe, letter)
-    _mark_generated(pipe, chunk, prompt.id)
-
-
 def _dead_letter_all(
-    ctx: ChunkContext, chunk: Chunk, prompts: list[ChunkPrompt], history: list[dict[str, object]]
-) -> None:
-    message = (
-        f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
-        "(its worker died, or it failed: see history)"
-    )
+    ctx: ChunkContext,
+    chunk: Chunk,
+    prompts: list[ChunkPrompt],
+    settled: set[str],
+    history: list[dict[str, object]],
+) -> int:
+    """Dead-letter the chunk's open prompts (a conversation at its open turn); returns
+    how many ids that settled."""
+    letter: dict[str, Any] = {
+        "worker": ctx.worker,
+        "reason": "poison_chunk",
+        "message": (
+            f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
+            "(its worker died, or it failed: see history)"
+        ),
+        "attempts": len(history),
+        "history": history,
+    }
     pipe = ctx.redis.pipeline()
+    count = 0
     for prompt in prompts:
-        _dead_letter(
-            ctx,
-            pipe,
-            chunk,
-            prompt,
-            reason="poison_chunk",
-            message=message,
-            attempts=len(history),
-            history=history,
-        )
+        if prompt.conversation is None:
+            dead_letter(pipe, chunk, prompt, **letter)
+            count += 1
+        else:
+            count += dead_letter_conversation(ctx.redis, pipe, chunk, prompt, settled, **letter)
     pipe.execute()
-
-
-async def _generate_with_retry(
-    runner: EngineRunner, request: GenerateRequest, deadline: float
-) -> GenerateResult:
-    """Retry while the engine is unavailable: a dead server is not a bad prompt."""
-    delay = 1.0
-    while True:
-        try:
-            return await runner.engine.generate(request, deadline=deadline)
-        except EngineUnavailable as exc:
-            if time.monotonic() >= deadline:
-                raise ChunkDeferred(str(exc)) from exc
-            log.warning(
-                "engine unavailable for %s (%s); retrying in ~%.0f s", request.rid, exc, delay
-            )
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 60.0)
+    return count
 
 
 def _hand_off(
@@ -213,30 +160,14 @@ def _hand_off(
     attempt: int,
     sampling: dict[str, Any],
 ) -> None:
-    generated = GeneratedResult(
-        id=prompt.id,
-        job=chunk.job,
-        chunk=chunk.chunk_id,
-        prompt_ids=prompt.prompt_ids,
-        messages=prompt.messages,
-        source=prompt.source,
-        output_ids=list(result.output_ids),
-        text=result.text,
-        finish_reason=result.finish_reason,
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        cached_tokens=result.cached_tokens,
-        latency_s=result.latency_s,
-        server=result.server,
-        worker=ctx.worker,
-        attempt=attempt,
-        sampling=sampling,
+    generated = generated_result(
+        chunk, prompt, result, worker=ctx.worker, attempt=attempt, sampling=sampling
     )
     pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
     # A dict[bytes, bytes] is a valid fields mapping; the stub's dict type is invariant.
     fields = cast("dict[FieldT, EncodableT]", generated.to_fields())
     pipe.xadd(keys.results_stream(chunk.job), fields)
-    _mark_generated(pipe, chunk, prompt.id)
+    mark_generated(pipe, chunk, prompt.id)
     pipe.execute()
     ctx.tokens.add(result.completion_tokens)
     ctx.prompts.add()
@@ -246,11 +177,11 @@ def _reject(
     ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected, attempt: int
 ) -> None:
     pipe = ctx.redis.pipeline()
-    _dead_letter(
-        ctx,
+    dead_letter(
         pipe,
         chunk,
         prompt,
+        worker=ctx.worker,
         reason="rejected_by_server",
         message=exc.message,
         attempts=attempt + 1,
@@ -274,7 +205,7 @@ def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
     attempt, history = start_attempt(ctx, chunk)
     settled = bytes_set(ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id)))
     done = {m.decode() for m in settled}
-    todo = [p for p in chunk.prompts if p.id not in done]
+    todo = [p for p in chunk.prompts if not done.issuperset(p.accounted_ids)]
     # "started" entries other than this one are deliveries whose worker died.
     failed = [
         h for i, h in enumerate(history) if i != attempt and h["status"] in ("started", "failed")
@@ -286,22 +217,28 @@ def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
             len(failed),
             len(todo),
         )
-        _dead_letter_all(ctx, chunk, todo, history)
+        dead_lettered = _dead_letter_all(ctx, chunk, todo, done, history)
         end_attempt(ctx, chunk, attempt, "dead_lettered")
-        return ChunkOutcome(0, len(done), len(todo))
+        return ChunkOutcome(0, len(done), dead_lettered)
     try:
-        return _generate_all(ctx, chunk, todo, attempt, skipped=len(done))
+        if any(p.conversation is not None for p in todo):
+            generated, dead_lettered = run_conversations(ctx, chunk, todo, attempt, done)
+        else:
+            generated, dead_lettered = _generate_all(ctx, chunk, todo, attempt)
     except ChunkDeferred:
         end_attempt(ctx, chunk, attempt, "returned")  # not a failure of the chunk
         raise
     except Exception as exc:
         end_attempt(ctx, chunk, attempt, "failed", error=repr(exc))
         raise
+    end_attempt(ctx, chunk, attempt, "done")
+    return ChunkOutcome(generated, len(done), dead_lettered)
 
 
 def _generate_all(
-    ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int, skipped: int
-) -> ChunkOutcome:
+    ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int
+) -> tuple[int, int]:
+    """Generate every prompt at once; (handed off, dead-lettered)."""
     spec = ctx.spec(chunk.job)
     # A requeued chunk may override some params (`regen dlq requeue --set`).
     sampling = {**spec.sampling, **chunk.sampling}
@@ -313,7 +250,7 @@ def _generate_all(
             prompt_ids=prompt.prompt_ids,
             sampling=dict(sampling),
         )
-        futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request, deadline))] = prompt
+        futures[ctx.runner.submit(generate_with_retry(ctx.runner, request, deadline))] = prompt
     ctx.count_inflight(len(futures))
     generated = rejected = 0
     try:
@@ -335,5 +272,4 @@ def _generate_all(
             if future.cancel():
                 ctx.count_inflight(-1)
         raise
-    end_attempt(ctx, chunk, attempt, "done")
-    return ChunkOutcome(generated, skipped, rejected)
+    return generated, rejected

@@ -12,7 +12,8 @@ from celery.exceptions import Reject
 from regen.common import dlq
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
-from regen.consumers.generate.chunk_runner import ChunkContext, ChunkDeferred, run_chunk
+from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
+from regen.consumers.generate.settle import ChunkDeferred
 
 log = logging.getLogger("regen.generate")
 

@@ -21,7 +21,7 @@ import redis
 from regen.common import defaults, jobspec, keys
 from regen.common.chat_family import detect_family
 from regen.common.connection import bytes_hash
-from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.record import RecordContext
 
@@ -86,12 +86,9 @@ class TokenizeConsumer:
 
     def _open_job(self, job: str) -> JobWriter | None:
         spec = jobspec.load(self._r, job)
-        tok = load_tokenizer(
-            spec.model,
-            tokenizer=spec.tokenizer if spec.tokenizer != spec.model else None,
-            trust_remote_code=spec.trust_remote_code,
-        )
-        if tokenizer_fingerprint(tok) != spec.tokenizer_fingerprint:
+        try:
+            tok = load_job_tokenizer(spec)
+        except TokenizerMismatch:
             # Records would be checked against a different tokenizer than the prompts.
             log.error("job %s: the tokenizer here differs from the producer's; skipping it", job)
             self._refused.add(job)

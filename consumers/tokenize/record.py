@@ -1,9 +1,14 @@
 """One generated result to one training record, checked on the way.
 
-A record (one JSON line in a shard, schema `regen.record/1`):
+A record (one JSON line in a shard, schema `regen.record/2`):
 
-- `schema`: "regen.record/1"; bumped whenever a field changes meaning or goes away.
+- `schema`: "regen.record/2"; bumped whenever a field changes meaning, goes away or is
+  added. Version 1 records (no `conversation_id`, `turn`) stay valid.
 - `id`: the prompt id (stable, derived from the prompt's content); unique within a job.
+  With `--turns all`, the turn's id, `<conversation_id>-<turn>`.
+- `conversation_id`, `turn`: with `--turns all`, the conversation and which of its
+  assistant turns (0 first) this record regenerated, on the target's own answers to the
+  turns before it (in `messages`); null for jobs that regenerate the last turn only.
 - `job`: the job name.
 - `model`: the target model that generated the answer (the job spec's `model`).
 - `messages`: the prompt messages as rendered (system prompt included), then the
@@ -38,6 +43,7 @@ from regen.common.chat_family import (
     ChatFamily,
     ChatTemplateError,
     ThinkState,
+    assistant_message,
     prompt_opens_think,
     render_conversation_ids,
     render_prompt_ids,
@@ -47,15 +53,18 @@ from regen.common.chat_family import (
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
 
-RECORD_SCHEMA = "regen.record/1"
+RECORD_SCHEMA = "regen.record/2"
 # Field -> accepted JSON types, for readers that validate (shards verify).
-RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+_V1_FIELDS: dict[str, tuple[type, ...]] = {
     "schema": (str,), "id": (str,), "job": (str,), "model": (str,), "messages": (list,),
     "input_ids": (list,), "loss_mask": (list,), "prompt_tokens": (int,),
     "completion_tokens": (int,), "finish_reason": (str,), "sampling": (dict,),
     "chat_template_kwargs": (dict,), "source": (dict,), "drift": (bool, type(None)),
     "drift_at": (int, type(None)), "server": (str,), "generated_by": (str,),
 }  # fmt: skip
+RECORD_FIELDS = {**_V1_FIELDS, "conversation_id": (str, type(None)), "turn": (int, type(None))}
+# Every schema a valid record may have, with its fields: older shards stay readable.
+RECORD_SCHEMAS = {"regen.record/1": _V1_FIELDS, RECORD_SCHEMA: RECORD_FIELDS}
 FINISH_REASONS = frozenset({"stop", "length"})
 ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
 # SGLang's detokenizer decodes an unfinished UTF-8 sequence as U+FFFD.
@@ -136,10 +145,7 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
     _check_text(result, ctx, finish, matched)
     reasoning, answer = _split(result, ctx, finish)
 
-    assistant: dict[str, Any] = {"role": "assistant", "content": answer}
-    if reasoning is not None:
-        assistant["reasoning_content"] = reasoning
-    messages = [*result.messages, assistant]
+    messages = [*result.messages, assistant_message(reasoning, answer)]
     input_ids = result.prompt_ids + result.output_ids
     n_prompt, n_output = len(result.prompt_ids), len(result.output_ids)
     drift_at = _drift_at(ctx, messages, input_ids) if ctx.drift_check else None
@@ -161,6 +167,8 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "drift_at": drift_at,
         "server": result.server,
         "generated_by": result.worker,
+        "conversation_id": result.conversation_id,
+        "turn": result.turn,
     }
 
 

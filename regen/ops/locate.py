@@ -17,6 +17,7 @@ import orjson
 import redis
 
 from regen.common import keys
+from regen.common.chunk import ChunkPrompt
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.common.results import FIELD
@@ -64,6 +65,16 @@ def decode_chunk_message(message: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def _accounted_ids(prompt: object) -> list[str]:
+    """The ids a prompt of a chunk message stands for (each turn's, for a conversation)."""
+    if not isinstance(prompt, dict):
+        return []
+    try:
+        return ChunkPrompt.from_payload(prompt).accounted_ids
+    except TypeError:  # not a prompt regen wrote: its id, if any, is all there is
+        return [str(prompt.get("id"))]
+
+
 def _queued_messages(r: redis.Redis, queue: str) -> Iterator[dict[str, Any]]:
     """From the head, in slices: see accounting._list_task_ids for why none is skipped."""
     first = 0
@@ -92,7 +103,7 @@ def window_contents(r: redis.Redis, spec: JobSpec) -> list[ChunkContents]:
             payload = decode_chunk_message(message)
             if payload is None or payload.get("job") != spec.name:
                 continue
-            ids = [str(p.get("id")) for p in payload["prompts"] if isinstance(p, dict)]
+            ids = [pid for p in payload["prompts"] for pid in _accounted_ids(p)]
             found[str(payload.get("chunk"))] = (in_flight, ids)
     pipe = r.pipeline(transaction=False)
     for chunk_id in found:

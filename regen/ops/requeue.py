@@ -15,6 +15,10 @@ together, so a requeue killed at any instant leaves every entry either still in 
 or queued, never both and never neither. Requeued chunk ids are salted per run: a new
 chunk never meets the bookkeeping (done marks, attempts) of the chunk its prompts came
 in. No backpressure is needed: an entry leaves Redis as its chunk enters it.
+
+A turn of a conversation (`--turns all`) resumes the conversation from that turn, on the
+history its entry holds; the entries of the later turns blocked behind it leave the DLQ
+in the same step, as ids of the new chunk (common/conversation.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from celery import Celery
 
 from regen.common import chat_family, crashpoints, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.conversation import BLOCKED, Conversation
 from regen.common.jobspec import SAMPLING_KEYS, JobSpec, JobSpecError
 from regen.common.results import FIELD, GeneratedResult
 from regen.producer.publish import ChunkPublisher
@@ -127,6 +132,9 @@ class Requeuer:
         self._buckets: dict[tuple[str, bytes], list[ChunkPrompt]] = {}
         self._tokenizer: Any = None
         self._tokenizer_refused: str | None = None
+        # Blocked turns seen (entry id, the turn it waits for), and the ids requeued.
+        self._blocked: list[tuple[str, str]] = []
+        self._requeued: set[str] = set()
 
     def __enter__(self) -> Requeuer:
         return self
@@ -140,6 +148,9 @@ class Requeuer:
     def add(self, letter: dlq.DeadLetter) -> None:
         if letter.job != self._spec.name:
             raise ValueError(f"entry of job {letter.job!r} given to job {self._spec.name!r}")
+        if letter.reason == BLOCKED:  # it goes with the turn it waits for
+            self._blocked.append((letter.entry_id, str(letter.payload.get("blocked_by"))))
+            return
         try:
             if letter.stage == "tokenize" and not self._regenerate:
                 self._send_to_recheck(letter)
@@ -163,6 +174,10 @@ class Requeuer:
             self._buckets.clear()
         finally:
             self._publisher.close()
+        for entry_id, blocker in self._blocked:
+            if entry_id not in self._requeued:
+                why = f"waits for {blocker}: requeue that turn and the ones after it come along"
+                self.report.skipped.append((entry_id, why))
         return self.report
 
     # --- what an entry becomes -----------------------------------------------------
@@ -171,18 +186,23 @@ class Requeuer:
         """The prompt to generate again, and the sampling override to generate it with."""
         payload = letter.payload
         if letter.stage == "generate":
-            if "prompt_ids" not in payload or "messages" not in payload:
+            if "prompt_ids" not in payload or not payload.get("messages"):
                 raise _Refused(f"{letter.reason}: no prompt stored (see `regen dlq show`)")
             prompt = ChunkPrompt(
                 id=letter.prompt_id or letter.entry_id,
                 prompt_ids=payload["prompt_ids"],
                 messages=payload["messages"],
                 source=letter.source or {},
+                conversation=_conversation(payload),
             )
             return prompt, {**(payload.get("sampling") or {}), **self._overrides}
         if letter.stage == "tokenize":
             result = _stored_result(letter)
-            prompt = ChunkPrompt(result.id, result.prompt_ids, result.messages, result.source)
+            # A turn of a conversation is generated again as that one turn.
+            turn = None
+            if result.conversation_id is not None and result.turn is not None:
+                turn = Conversation(result.conversation_id, start=result.turn)
+            prompt = ChunkPrompt(result.id, result.prompt_ids, result.messages, result.source, turn)
             return prompt, {**result.sampling, **self._overrides}
         return self._render_input(letter), dict(self._overrides)
 
@@ -206,26 +226,27 @@ class Requeuer:
                 f"still too long: {len(ids)} tokens, the job allows {limit} with "
                 f"max_new_tokens {spec.sampling['max_new_tokens']}"
             )
-        return ChunkPrompt(letter.prompt_id or letter.entry_id, ids, messages, letter.source or {})
+        return ChunkPrompt(
+            letter.prompt_id or letter.entry_id,
+            ids,
+            messages,
+            letter.source or {},
+            _conversation(letter.payload),
+        )
 
     def _load_tokenizer(self) -> Any:
         if self._tokenizer_refused is not None:
             raise _Refused(self._tokenizer_refused)
         if self._tokenizer is None:
             # Imported here: transformers takes seconds, and only input entries need it.
-            from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+            from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 
-            spec = self._spec
-            tok = load_tokenizer(
-                spec.model,
-                tokenizer=spec.tokenizer if spec.tokenizer != spec.model else None,
-                trust_remote_code=spec.trust_remote_code,
-            )
-            if tokenizer_fingerprint(tok) != spec.tokenizer_fingerprint:
+            try:
+                self._tokenizer = load_job_tokenizer(self._spec)
+            except TokenizerMismatch as exc:
                 # Ids from another tokenizer would not be the ones the job's prompts had.
                 self._tokenizer_refused = "the tokenizer here differs from the job's"
-                raise _Refused(self._tokenizer_refused)
-            self._tokenizer = tok
+                raise _Refused(self._tokenizer_refused) from exc
         return self._tokenizer
 
     # --- the atomic steps ----------------------------------------------------------
@@ -233,18 +254,25 @@ class Requeuer:
     def _publish(self, stage: str, override: dict[str, Any], prompts: list[ChunkPrompt]) -> None:
         job = self._spec.name
         while prompts:
-            ids = [p.id for p in prompts]
+            ids = [pid for p in prompts for pid in p.accounted_ids]
             chunk = Chunk(job, Chunk.make_id(job, ids, salt=self._salt), prompts, override)
-            gone = self._publisher.requeue(
-                chunk.chunk_id, chunk.to_payload(), ids, keys.dlq(job, stage)
+            gone = set(
+                self._publisher.requeue(
+                    chunk.chunk_id, chunk.to_payload(), ids, keys.dlq(job, stage)
+                )
             )
             if not gone:
                 self.report.chunks += 1
                 self.report.prompts += len(ids)
+                self._requeued.update(ids)
                 crashpoints.hit(CRASHPOINT)
                 return
             self.report.gone += len(gone)
-            prompts = [p for p in prompts if p.id not in set(gone)]
+            for p in prompts:
+                if p.id not in gone and not gone.isdisjoint(p.accounted_ids):
+                    why = "a later turn of its conversation left the DLQ (purged?): purge it too"
+                    self.report.skipped.append((p.id, why))
+            prompts = [p for p in prompts if gone.isdisjoint(p.accounted_ids)]
 
     def _send_to_recheck(self, letter: dlq.DeadLetter) -> None:
         if self._overrides:
@@ -263,6 +291,12 @@ class Requeuer:
             crashpoints.hit(CRASHPOINT)
         else:
             self.report.gone += 1
+
+
+def _conversation(payload: dict[str, Any]) -> Conversation | None:
+    """The rest of the conversation a turn's entry resumes, if it is one's."""
+    rest = payload.get("conversation")
+    return None if rest is None else Conversation(**rest)
 
 
 def _stored_result(letter: dlq.DeadLetter) -> GeneratedResult:

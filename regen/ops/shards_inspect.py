@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from regen.consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECORD_SCHEMA
+from regen.consumers.tokenize.record import (
+    FINISH_REASONS,
+    RECORD_FIELDS,
+    RECORD_SCHEMA,
+    RECORD_SCHEMAS,
+)
 from regen.consumers.tokenize.shard_files import (
     MANIFEST,
     READ_ERRORS,
@@ -210,18 +215,21 @@ def _check_record(record: Any, seen: set[str]) -> Iterator[tuple[str, str]]:
     if not isinstance(record, dict):
         yield "schema", f"not a JSON object: {type(record).__name__}"
         return
+    # An unknown schema is checked against the current fields, then reported.
+    fields = RECORD_SCHEMAS.get(str(record.get("schema")), RECORD_FIELDS)
     bad = [
         name
-        for name, types in RECORD_FIELDS.items()
-        # bool is an int to Python; it is not one to a record.
-        if not isinstance(record.get(name), types)
-        or (isinstance(record.get(name), bool) and bool not in types)
+        for name, types in fields.items()
+        # A nullable field must still be there; bool is an int to Python, not to a record.
+        if name not in record
+        or not isinstance(record[name], types)
+        or (isinstance(record[name], bool) and bool not in types)
     ]
     if bad:
         yield "schema", f"missing or mistyped field(s) {', '.join(bad)}"
         return
-    if record["schema"] != RECORD_SCHEMA:
-        yield "schema", f"schema {record['schema']!r}, expected {RECORD_SCHEMA!r}"
+    if record["schema"] not in RECORD_SCHEMAS:
+        yield "schema", f"schema {record['schema']!r}, expected {RECORD_SCHEMA!r} or older"
     if record["finish_reason"] not in FINISH_REASONS:
         yield "schema", f"finish_reason {record['finish_reason']!r}"
     if record["id"] in seen:

@@ -1,0 +1,129 @@
+"""Settling a chunk's prompts: each one ends handed off (its result on the job's results
+stream) or dead-lettered, in one Redis transaction with the chunk's `generated` mark, so
+a redelivered chunk skips it. Shared by the chunk runner and the turn driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+import redis
+
+from regen.common import dlq, keys
+from regen.common.celery_app import visibility_timeout
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.results import GeneratedResult
+from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
+from regen.consumers.generate.runner import EngineRunner
+
+log = logging.getLogger("regen.generate")
+
+# Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
+# acknowledgement still finds which prompts are done; then it expires (flat memory).
+CHUNK_STATE_TTL_S = 2 * visibility_timeout()
+# A chunk still waiting for an unavailable engine this far into the visibility timeout is
+# given back to the queue (results already handed off stay done), rather than be
+# redelivered to a second worker while this one still holds it.
+GIVE_BACK_AFTER_S = 0.75 * visibility_timeout()
+
+
+class ChunkDeferred(Exception):
+    """The engine stayed unavailable until the chunk's deadline: give the chunk back."""
+
+
+async def generate_with_retry(
+    runner: EngineRunner, request: GenerateRequest, deadline: float
+) -> GenerateResult:
+    """Retry while the engine is unavailable: a dead server is not a bad prompt."""
+    delay = 1.0
+    while True:
+        try:
+            return await runner.engine.generate(request, deadline=deadline)
+        except EngineUnavailable as exc:
+            if time.monotonic() >= deadline:
+                raise ChunkDeferred(str(exc)) from exc
+            log.warning(
+                "engine unavailable for %s (%s); retrying in ~%.0f s", request.rid, exc, delay
+            )
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, 60.0)
+
+
+def mark_generated(pipe: redis.client.Pipeline, chunk: Chunk, *prompt_ids: str) -> None:
+    """Record that prompts of the chunk are settled (handed off or dead-lettered), so a
+    redelivery of the chunk skips them."""
+    key = keys.chunk_generated(chunk.job, chunk.chunk_id)
+    pipe.sadd(key, *prompt_ids)
+    pipe.expire(key, CHUNK_STATE_TTL_S)
+
+
+def dead_letter(
+    pipe: redis.client.Pipeline,
+    chunk: Chunk,
+    prompt: ChunkPrompt,
+    *,
+    worker: str,
+    reason: str,
+    message: str,
+    attempts: int,
+    history: list[dict[str, object]] | None = None,
+    **payload: Any,
+) -> dlq.DeadLetter:
+    """A generate-stage dead letter holding what a requeue needs, settled in `pipe`."""
+    letter = dlq.DeadLetter(
+        entry_id=prompt.id,
+        job=chunk.job,
+        stage="generate",
+        reason=reason,
+        message=message,
+        prompt_id=prompt.id,
+        source=prompt.source,
+        attempts=attempts,
+        payload={
+            "chunk": chunk.chunk_id,
+            "prompt_ids": prompt.prompt_ids,
+            "messages": prompt.messages,
+            "sampling": chunk.sampling,
+            **payload,
+        },
+        history=history or [],
+        worker=worker,
+    )
+    dlq.put(pipe, letter)
+    mark_generated(pipe, chunk, prompt.id)
+    return letter
+
+
+def generated_result(
+    chunk: Chunk,
+    prompt: ChunkPrompt,
+    result: GenerateResult,
+    *,
+    worker: str,
+    attempt: int,
+    sampling: dict[str, Any],
+) -> GeneratedResult:
+    """What the tokenize stage gets for a prompt the engine completed."""
+    return GeneratedResult(
+        id=prompt.id,
+        job=chunk.job,
+        chunk=chunk.chunk_id,
+        prompt_ids=prompt.prompt_ids,
+        messages=prompt.messages,
+        source=prompt.source,
+        output_ids=list(result.output_ids),
+        text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        cached_tokens=result.cached_tokens,
+        latency_s=result.latency_s,
+        server=result.server,
+        worker=worker,
+        attempt=attempt,
+        sampling=sampling,
+    )

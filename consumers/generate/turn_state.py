@@ -1,0 +1,165 @@
+"""Where a conversation stands (`--turns all`), and how each of its turns is settled.
+
+A turn's hand-off is one Redis script: its result onto the results stream, its id into
+the chunk's `generated` set, and the target's answer into the conversation's checkpoint
+(`keys.conversation_answers`), or the checkpoint deleted with the last turn. The script
+refuses a turn already settled, so a turn is handed off once even when its chunk runs
+twice at once; the loser continues on the winner's answer. A redelivered chunk resumes
+each conversation at its first turn not settled, its history rebuilt from the
+checkpointed answers: a handed-off turn is never generated again, nor one skipped.
+
+A turn that fails is dead-lettered with its history (its prompt messages), the turns
+after it blocked behind it (common/conversation.py), and the checkpoint deleted: the
+dead letter is what a requeue resumes from, so no checkpoint outlives its chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, cast
+
+import orjson
+import redis
+
+from regen.common import dlq, keys
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.conversation import Conversation, blocked_letters, turn_id
+from regen.common.results import FIELD, GeneratedResult
+from regen.consumers.generate.settle import CHUNK_STATE_TTL_S, dead_letter, mark_generated
+
+# KEYS: the chunk's generated set, the results stream, the conversation's answers.
+# ARGV: turn id, ttl, result field, result, turn, answer ('' after the last turn).
+# Returns 1 when handed off, 0 when the turn was already settled.
+_HAND_OFF_LUA = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+if ARGV[6] == '' then
+  redis.call('DEL', KEYS[3])
+else
+  redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+end
+return 1
+"""
+
+
+class HistoryLost(RuntimeError):
+    """Turns of a conversation are settled but its checkpoint lacks their answers."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn to run: `prompt` has the turn's id and prompt messages, and its ids once
+    rendered (empty before)."""
+
+    prompt: ChunkPrompt
+    conversation: Conversation  # as the chunk carries it
+    index: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.conversation.end - 1
+
+    def rendered(self, prompt_ids: list[int]) -> Turn:
+        return dataclasses.replace(
+            self, prompt=dataclasses.replace(self.prompt, prompt_ids=prompt_ids)
+        )
+
+    def result(self, generated: GeneratedResult) -> GeneratedResult:
+        return dataclasses.replace(generated, conversation_id=self.conversation.id, turn=self.index)
+
+
+def _answers_key(chunk: Chunk, conversation: Conversation) -> str:
+    return keys.conversation_answers(chunk.job, chunk.chunk_id, conversation.id)
+
+
+def following_messages(turn: Turn, answer: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """What follows the target's `answer` to `turn`: the dataset's messages before the
+    next turn, or None where the conversation ends. The one place that decides it (a
+    turn ending in a tool call, answered by the dataset's tool result, decides here)."""
+    if turn.is_last:
+        return None
+    return turn.conversation.context_before(turn.index + 1)
+
+
+def next_turn(turn: Turn, answer: dict[str, Any]) -> Turn | None:
+    """The turn after `turn`, its history holding the target's `answer`, not rendered."""
+    following = following_messages(turn, answer)
+    if following is None:
+        return None
+    index = turn.index + 1
+    messages = [*turn.prompt.messages, answer, *following]
+    prompt = ChunkPrompt(turn_id(turn.conversation.id, index), [], messages, turn.prompt.source)
+    return Turn(prompt, turn.conversation, index)
+
+
+def resume(r: redis.Redis, chunk: Chunk, prompt: ChunkPrompt, settled: set[str]) -> Turn | None:
+    """The first turn of the prompt's conversation not settled yet (None when all are),
+    with the checkpointed answers of the turns before it in its history."""
+    conversation = prompt.conversation
+    assert conversation is not None
+    turn = Turn(prompt, conversation, conversation.start)
+    open_turns = [tid for tid in conversation.turn_ids() if tid not in settled]
+    if not open_turns:
+        return None
+    first_open = conversation.end - len(open_turns)
+    if first_open == turn.index:
+        return turn
+    wanted = list(range(conversation.start, first_open))
+    fields = [str(i) for i in wanted]
+    answers = cast("list[bytes | None]", r.hmget(_answers_key(chunk, conversation), fields))
+    for index, raw in zip(wanted, answers, strict=True):
+        if raw is None:
+            raise HistoryLost(f"{turn_id(conversation.id, index)} is settled, its answer lost")
+        following = next_turn(turn, orjson.loads(raw))
+        assert following is not None  # the open turn comes after this one
+        turn = following
+    return turn
+
+
+def checkpointed_answer(r: redis.Redis, chunk: Chunk, turn: Turn) -> dict[str, Any] | None:
+    """The answer another delivery handed off for `turn`; None once its conversation has
+    no checkpoint (ended, or dead-lettered)."""
+    raw = r.hget(_answers_key(chunk, turn.conversation), str(turn.index))
+    return None if raw is None else cast("dict[str, Any]", orjson.loads(raw))
+
+
+def hand_off(
+    r: redis.Redis, chunk: Chunk, turn: Turn, result: GeneratedResult, answer: dict[str, Any]
+) -> bool:
+    """Hand the turn's result off with its answer checkpointed; False when it was
+    already settled (by another delivery of the chunk)."""
+    script = r.register_script(_HAND_OFF_LUA)
+    done = script(
+        keys=[
+            keys.chunk_generated(chunk.job, chunk.chunk_id),
+            keys.results_stream(chunk.job),
+            _answers_key(chunk, turn.conversation),
+        ],
+        args=[
+            turn.prompt.id,
+            CHUNK_STATE_TTL_S,
+            FIELD,
+            result.to_fields()[FIELD],
+            turn.index,
+            b"" if turn.is_last else orjson.dumps(answer),
+        ],
+    )
+    return bool(done)
+
+
+def dead_letter_turn(pipe: redis.client.Pipeline, chunk: Chunk, turn: Turn, **letter: Any) -> int:
+    """Dead-letter the turn (settle.dead_letter's arguments) with what resuming it needs,
+    block the turns after it, and drop the checkpoint. Returns the turns settled."""
+    rest = turn.conversation.from_turn(turn.index)
+    first = dead_letter(pipe, chunk, turn.prompt, conversation=rest.to_dict(), **letter)
+    blocked = blocked_letters(first, rest, turn.index)
+    for each in blocked:
+        dlq.put(pipe, each)
+    if blocked:
+        mark_generated(pipe, chunk, *(each.entry_id for each in blocked))
+    pipe.delete(_answers_key(chunk, turn.conversation))
+    return 1 + len(blocked)

@@ -1,0 +1,39 @@
+"""Cut a prompt into the turns `--turns all` regenerates (common/conversation.py).
+
+The messages `rows.to_prompt` gives (system first, ending on a user turn, trailing
+assistant turns dropped) are cut at each run of assistant messages: a turn is
+regenerated after each group of other messages, and the dataset's own assistant
+messages are dropped, since the target writes its own. So a row with n user turns gives
+n turns, the last one answering its last user turn as `--turns last` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from regen.common.conversation import Conversation
+from regen.producer.rows import BadRow, Prompt, Reason, prompt_id
+
+# Stands for an assistant turn in the content a conversation id is derived from: the id
+# depends on where the turns are, never on the dataset's answers.
+_TURN = {"role": "assistant"}
+
+
+def split_turns(prompt: Prompt) -> tuple[Prompt, Conversation]:
+    """(the first turn's prompt, the conversation); raises BadRow for an assistant
+    message before any user message, which no turn could regenerate."""
+    groups: list[list[dict[str, Any]]] = [[]]
+    for index, message in enumerate(prompt.messages):
+        if message["role"] != "assistant":
+            groups[-1].append(message)
+        elif not any(m["role"] == "user" for m in groups[0]):
+            raise BadRow(
+                Reason.BAD_ORDER,
+                f"message {index} is an assistant turn before any user turn; --turns all "
+                "regenerates every assistant turn, each answering the turns before it",
+            )
+        elif groups[-1]:  # a run of assistant messages is one turn
+            groups.append([])
+    conversation_id = prompt_id([m for group in groups for m in [*group, _TURN]])
+    first = Prompt(messages=groups[0], source_id=prompt.source_id)
+    return first, Conversation(id=conversation_id, later=groups[1:])
