@@ -34,6 +34,9 @@ log = logging.getLogger("regen.generate")
 # Bytes of a poison message kept in its dead letter: enough to see what it was, while a
 # flood of large messages cannot fill Redis with copies.
 RAW_LIMIT = 64 * 1024
+# A longer task id (Celery's are 36 characters, regen's chunk ids 17) is not used as an
+# entry id: the hash of the message is.
+TASK_ID_LIMIT = 128
 
 # Reasons, from the outermost layer in (docs/design.md, Dead-letter entries).
 NOT_JSON = "not_json"
@@ -71,7 +74,7 @@ def inspect(raw: bytes, queue: str, queue_of: Callable[[str], str | None]) -> Ve
         return Verdict(UNKNOWN_TASK, f"task {headers['task']!r} is not {GENERATE_TASK}", task_id)
     try:
         chunk = Chunk.from_payload(_single_argument(body))
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # as above: the body is anything kombu's JSON can decode
         return Verdict(MALFORMED_CHUNK, str(exc), task_id)
     home = queue_of(chunk.job)
     if home != queue:
@@ -116,7 +119,7 @@ def _single_argument(body: Any) -> dict[str, Any]:
 def entry_id(raw: bytes, verdict: Verdict) -> str:
     """Stable per message, so dead-lettering it twice overwrites: its task id, else a hash
     of its bytes (`task:` marks an entry without a prompt; see accounting.py)."""
-    if verdict.task_id:
+    if verdict.task_id and len(verdict.task_id) <= TASK_ID_LIMIT:
         return f"task:{verdict.task_id}"
     return f"task:raw-{hashlib.blake2b(raw, digest_size=8).hexdigest()}"
 
