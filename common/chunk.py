@@ -78,11 +78,20 @@ class Chunk:
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> Chunk:
         try:
-            return cls(
+            chunk = cls(
                 job=payload["job"],
                 chunk_id=payload["chunk"],
                 prompts=[ChunkPrompt.from_payload(p) for p in payload["prompts"]],
                 sampling=dict(payload.get("sampling") or {}),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed chunk payload: {exc}") from exc
+        # Anyone can push to a queue: check the types a worker would trip on later.
+        if not isinstance(chunk.job, str) or not isinstance(chunk.chunk_id, str):
+            raise ValueError("malformed chunk payload: job and chunk are not strings")
+        for p in chunk.prompts:
+            if not (isinstance(p.id, str) and isinstance(p.messages, list)
+                    and isinstance(p.prompt_ids, list)
+                    and all(type(t) is int for t in p.prompt_ids)):  # fmt: skip
+                raise ValueError(f"malformed chunk payload: prompt {p.id!r} is not a prompt")
+        return chunk

@@ -5,7 +5,8 @@ stage writes here, in the same transaction that takes the item out of its queue.
 holds what is needed to requeue it without re-reading the dataset.
 
 Entry ids: the prompt id, `row:<hash of file and row>` for a dataset row that gave no
-prompt, `task:<message id>` for a chunk message that could not be read.
+prompt, `task:<task id or hash>` for a message on a generate queue that was no chunk for
+it (consumers/generate/poison.py).
 """
 
 from __future__ import annotations

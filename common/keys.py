@@ -144,4 +144,11 @@ def generate_queue(job: str) -> str:
     return f"{PREFIX}.generate.{job}"
 
 
+def job_of_queue(queue: str) -> str | None:
+    """The job a default generate queue is named after (generate_queue's inverse)."""
+    prefix = generate_queue("")
+    job = queue[len(prefix) :] if queue.startswith(prefix) else ""
+    return job if JOB_NAME_RE.match(job) else None
+
+
 TOKENIZE_GROUP = "tokenize"

@@ -1,8 +1,8 @@
 """`regen dlq list|show|requeue|purge|export`: inspect and resolve dead letters.
 
 An ID is an entry id: the prompt id, `row:...` for a dataset row that gave no prompt,
-`task:...` for a chunk message that could not be read. Without --job, every job in this
-Redis; without --stage, all three stages (input, generate, tokenize).
+`task:...` for a message on a generate queue that was no chunk for it. Without --job,
+every job in this Redis; without --stage, all three stages (input, generate, tokenize).
 """
 
 from __future__ import annotations

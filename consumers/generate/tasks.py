@@ -9,7 +9,6 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Reject
 
-from regen.common import dlq
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
 from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
@@ -25,25 +24,9 @@ def register(app: Celery, ctx: ChunkContext) -> None:
 
     @app.task(name=GENERATE_TASK, bind=True, acks_late=True, ignore_result=True)
     def generate_chunk(self: Any, payload: dict[str, Any]) -> dict[str, int]:
-        try:
-            chunk = Chunk.from_payload(payload)
-        except ValueError as exc:
-            # No prompt can be identified, so the whole message is the dead letter.
-            job = payload.get("job", "unknown") if isinstance(payload, dict) else "unknown"
-            dlq.put(
-                ctx.redis,
-                dlq.DeadLetter(
-                    entry_id=f"task:{self.request.id}",
-                    job=str(job),
-                    stage="generate",
-                    reason="malformed_chunk",
-                    message=str(exc),
-                    payload={"raw": payload},
-                    worker=ctx.worker,
-                ),
-            )
-            log.error("malformed chunk %s dead-lettered: %s", self.request.id, exc)
-            return {"generated": 0, "skipped": 0, "dead_lettered": 1}
+        # Only chunks for this queue get here: the worker's transport dead-letters any
+        # other message before delivering it (poison.py).
+        chunk = Chunk.from_payload(payload)
         try:
             outcome = run_chunk(ctx, chunk)
         except ChunkDeferred as exc:

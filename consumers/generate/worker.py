@@ -2,8 +2,9 @@
 
 One worker per GPU host (or per group of SGLang servers). It runs chunks on a thread pool
 sized so the engine stays at its in-flight target across chunk boundaries, follows new
-jobs as they are enqueued, and stops consuming while its engine is unhealthy (a dead
-server is not a bad prompt: its chunks wait in the queue for a healthy worker).
+jobs as they are enqueued, and consumes only while its engine passes its health checks,
+from the first one on (a dead server is not a bad prompt: its chunks wait in the queue for
+a healthy worker). Messages on its queues that are not chunks go to the DLQ (poison.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from celery import Celery, bootsteps
 from regen.common import connection, defaults, jobspec
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
+from regen.consumers.generate import screen
 from regen.consumers.generate.chunk_runner import ChunkContext
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow import make_flow_control
 from regen.consumers.generate.metrics import generate_metrics
+from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.runner import EngineRunner
 from regen.consumers.generate.tasks import register
 
@@ -51,7 +54,10 @@ class QueueState:
     def __init__(self, queues: set[str]) -> None:
         self._lock = threading.Lock()
         self._queues = set(queues)
-        self.healthy = True
+        # Unhealthy until the engine passes a health check: a worker pointed at a dead
+        # server must not take a chunk and sit on it until the give-back.
+        self.healthy = False
+        self.checked = False
 
     def set_queues(self, queues: set[str]) -> None:
         with self._lock:
@@ -95,17 +101,27 @@ class Watcher(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(WATCH_INTERVAL_S):
+        # The first check at once: no chunk is taken before it passes.
+        while True:
             try:
                 self.poll()
             except Exception:
                 log.exception("watcher poll failed")
+            if self._stop_event.wait(WATCH_INTERVAL_S):
+                return
 
     def poll(self) -> None:
         healthy = self._ctx.runner.call(self._ctx.runner.engine.health(), timeout=60)
-        if healthy != self._state.healthy:
+        state = self._state
+        if not state.checked:
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "engine is %s",
+                "healthy: taking chunks" if healthy else "UNHEALTHY: no chunks until it passes",
+            )
+        elif healthy != state.healthy:
             log.warning("engine is %s", "healthy again" if healthy else "UNHEALTHY")
-        self._state.healthy = healthy
+        state.healthy, state.checked = healthy, True
         if not self._options.jobs and not self._options.queues:
             self._state.set_queues(discover_queues(self._ctx, self._options))
 
@@ -159,6 +175,7 @@ def run_worker(options: WorkerOptions) -> None:
     initial_chunks = min(concurrency, 2)
 
     app: Celery = make_app(url)
+    screen.install(app, PoisonFilter(r, name))
     register(app, ctx)
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])

@@ -38,6 +38,7 @@ from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import BLOCKED, Conversation
 from regen.common.jobspec import SAMPLING_KEYS, JobSpec, JobSpecError
 from regen.common.results import FIELD, GeneratedResult
+from regen.ops.accounting import is_prompt_entry
 from regen.producer.publish import ChunkPublisher
 
 # Where a crash test stops a requeue: right after one step (a chunk, a re-check) is in.
@@ -186,6 +187,11 @@ class Requeuer:
         """The prompt to generate again, and the sampling override to generate it with."""
         payload = letter.payload
         if letter.stage == "generate":
+            if not is_prompt_entry(letter.entry_id):
+                raise _Refused(
+                    f"{letter.reason}: a queue message that was no chunk of its queue, so no "
+                    "prompt to requeue; see it with `regen dlq show`, then purge it"
+                )
             if "prompt_ids" not in payload or not payload.get("messages"):
                 raise _Refused(f"{letter.reason}: no prompt stored (see `regen dlq show`)")
             prompt = ChunkPrompt(

@@ -1,0 +1,56 @@
+"""Wire the poison filter (poison.py) into kombu, at the one point that sees raw messages.
+
+kombu's Redis channel pops a message with BRPOP and decodes it in `_brpop_read`, in the
+same call, before anything else runs; that is also where an undecodable message stops
+the worker. redis-py hands the BRPOP reply (list key, raw bytes) to the client's response
+callback first, so the generate worker's transport gives its channels' clients a BRPOP
+callback that runs the filter: a message it dead-letters reads as "nothing popped" (the
+same reply as a BRPOP timeout), and kombu never decodes it. Nothing of it reaches
+kombu's `unacked` hash, so there is nothing to ack; a worker killed between the BRPOP and
+the DLQ write loses it, as kombu's own BRPOP loses a chunk killed before `unacked` holds
+it.
+
+Only the BRPOP path is screened: it is the only one a Celery worker consumes through
+(the polling path and `basic_get` go through kombu's `_get`, which workers never call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu.transport import redis as kombu_redis
+from kombu.utils.encoding import bytes_to_str
+
+from regen.consumers.generate.poison import PoisonFilter
+
+
+def screening_transport(screen: PoisonFilter) -> type[kombu_redis.Transport]:
+    """kombu's Redis transport, with every BRPOP reply passed through `screen` first."""
+
+    class ScreeningChannel(kombu_redis.Channel):  # type: ignore[misc]
+        def _create_client(self, asynchronous: bool = False) -> Any:
+            client = super()._create_client(asynchronous=asynchronous)
+            parse = client.response_callbacks.get("BRPOP")
+
+            def screened(response: Any, **options: Any) -> Any:
+                reply = parse(response, **options) if parse else response
+                if not reply:
+                    return reply
+                key, raw = reply
+                # The list key of a priority step carries a suffix, as in _brpop_read.
+                queue = bytes_to_str(key).rsplit(self.sep, 1)[0]
+                return reply if screen.admit(queue, raw) else None
+
+            client.set_response_callback("BRPOP", screened)
+            return client
+
+    class ScreeningTransport(kombu_redis.Transport):  # type: ignore[misc]
+        Channel = ScreeningChannel
+
+    return ScreeningTransport
+
+
+def install(app: Celery, screen: PoisonFilter) -> None:
+    """Make `app`'s connections (the worker's consumer among them) screen what they pop."""
+    app.conf.broker_transport = screening_transport(screen)
