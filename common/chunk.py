@@ -21,6 +21,8 @@ class ChunkPrompt:
     messages: list[dict[str, Any]]
     # Provenance: {"file": ..., "row": ..., "id": source row id or None}.
     source: dict[str, Any]
+    # The OpenAI tools the prompt was rendered with; None without (and in older chunks).
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ class GeneratedResult:
     # The sampling params sent (the job's, with the chunk's override merged over them).
     # Empty in results written before this field existed: those used the job's.
     sampling: dict[str, Any] = field(default_factory=dict)
+    # The OpenAI tools the prompt was rendered with; None without (and in older results).
+    tools: list[dict[str, Any]] | None = None
 
     def to_fields(self) -> dict[bytes, bytes]:
         return {FIELD: orjson.dumps(asdict(self))}

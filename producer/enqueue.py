@@ -127,7 +127,11 @@ class Enqueuer:
             self._dead_letter_row(raw, path, raw.error.reason, raw.error.message)
             return None
         try:
-            prompt = to_prompt(raw.value, system_prompt=self._spec.system_prompt)
+            prompt = to_prompt(
+                raw.value,
+                system_prompt=self._spec.system_prompt,
+                prompt_text=self._spec.prompt_text,
+            )
         except BadRow as exc:
             self._dead_letter_row(raw, path, exc.reason, exc.message)
             return None
@@ -205,11 +209,11 @@ class Enqueuer:
         return fresh
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
-        messages = item.prompt.messages
+        messages, tools = item.prompt.messages, item.prompt.tools
         pid = item.prompt.id
         try:
             ids = chat_family.render_prompt_ids(
-                self._job.tokenizer, messages, self._spec.chat_template_kwargs
+                self._job.tokenizer, messages, self._spec.chat_template_kwargs, tools
             )
         except Exception as exc:  # a template that raises on this conversation
             self._dead_letter_prompt(item, "template_error", f"chat template failed: {exc}", [])
@@ -227,7 +231,9 @@ class Enqueuer:
                 ids,
             )
             return None
-        return ChunkPrompt(id=pid, prompt_ids=ids, messages=messages, source=item.source)
+        return ChunkPrompt(
+            id=pid, prompt_ids=ids, messages=messages, source=item.source, tools=tools
+        )
 
     def _dead_letter_prompt(
         self, item: _Pending, reason: str, message: str, prompt_ids: list[int]
@@ -247,7 +253,11 @@ class Enqueuer:
                 message=message,
                 prompt_id=pid,
                 source=item.source,
-                payload={"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)},
+                payload={
+                    "messages": item.prompt.messages,
+                    "tools": item.prompt.tools,
+                    "prompt_tokens": len(prompt_ids),
+                },
             ),
         )
         pipe.execute()

@@ -103,7 +103,11 @@ def scan_prompts(
                 _count(scan.rejected_rows, raw.error.reason)
                 continue
             try:
-                prompt = to_prompt(raw.value, system_prompt=job.spec.system_prompt)
+                prompt = to_prompt(
+                    raw.value,
+                    system_prompt=job.spec.system_prompt,
+                    prompt_text=job.spec.prompt_text,
+                )
             except BadRow as exc:
                 _count(scan.rejected_rows, exc.reason)
                 continue
@@ -131,7 +135,9 @@ def _tokenize(scan: PromptScan, job: PreparedJob, prompt: Prompt, source: dict[s
     """Render one prompt as `Enqueuer._render` does, with the same outcomes."""
     scan.tokenized += 1
     try:
-        ids = render_prompt_ids(job.tokenizer, prompt.messages, job.spec.chat_template_kwargs)
+        ids = render_prompt_ids(
+            job.tokenizer, prompt.messages, job.spec.chat_template_kwargs, prompt.tools
+        )
     except Exception:  # enqueue dead-letters whatever the template raises, so count it
         _count(scan.rejected_tokenized, TEMPLATE_ERROR)
         return

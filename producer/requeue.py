@@ -178,11 +178,14 @@ class Requeuer:
                 prompt_ids=payload["prompt_ids"],
                 messages=payload["messages"],
                 source=letter.source or {},
+                tools=payload.get("tools"),
             )
             return prompt, {**(payload.get("sampling") or {}), **self._overrides}
         if letter.stage == "tokenize":
             result = _stored_result(letter)
-            prompt = ChunkPrompt(result.id, result.prompt_ids, result.messages, result.source)
+            prompt = ChunkPrompt(
+                result.id, result.prompt_ids, result.messages, result.source, result.tools
+            )
             return prompt, {**result.sampling, **self._overrides}
         return self._render_input(letter), dict(self._overrides)
 
@@ -196,9 +199,9 @@ class Requeuer:
                 )
             raise _Refused(f"{letter.reason}: only prompt_too_long input entries can retry")
         spec = dataclasses.replace(self._spec, sampling={**self._spec.sampling, **self._overrides})
-        messages = letter.payload["messages"]
+        messages, tools = letter.payload["messages"], letter.payload.get("tools")
         ids = chat_family.render_prompt_ids(
-            self._load_tokenizer(), messages, spec.chat_template_kwargs
+            self._load_tokenizer(), messages, spec.chat_template_kwargs, tools
         )
         limit = spec.prompt_token_limit()
         if limit is not None and len(ids) > limit:
@@ -206,7 +209,8 @@ class Requeuer:
                 f"still too long: {len(ids)} tokens, the job allows {limit} with "
                 f"max_new_tokens {spec.sampling['max_new_tokens']}"
             )
-        return ChunkPrompt(letter.prompt_id or letter.entry_id, ids, messages, letter.source or {})
+        pid = letter.prompt_id or letter.entry_id
+        return ChunkPrompt(pid, ids, messages, letter.source or {}, tools)
 
     def _load_tokenizer(self) -> Any:
         if self._tokenizer_refused is not None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from regen.common import chat_family, defaults, keys, tokenizer
-from regen.common.jobspec import JobSpec
+from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, JobSpec
 
 
 @dataclass(frozen=True)
@@ -75,5 +75,6 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         max_prompt_tokens=options.max_prompt_tokens,
         context_length=context,
         queue=options.queue or keys.generate_queue(options.job),
+        prompt_text=PROMPT_TEXT_AS_WRITTEN,
     )
     return PreparedJob(spec=spec, tokenizer=tok, family=family)

@@ -18,7 +18,12 @@ from typing import Any
 import orjson
 import zstandard
 
-from regen.consumers.tokenize.record import FINISH_REASONS, RECORD_FIELDS, RECORD_SCHEMA
+from regen.consumers.tokenize.record import (
+    FINISH_REASONS,
+    OPTIONAL_RECORD_FIELDS,
+    RECORD_FIELDS,
+    RECORD_SCHEMA,
+)
 from regen.consumers.tokenize.shard_writer import MANIFEST, TMP_SUFFIX, ShardInfo, iter_records
 
 SHARD_GLOB = "shard-*.jsonl.zst"
@@ -208,9 +213,10 @@ def _check_record(record: Any, seen: set[str]) -> Iterator[tuple[str, str]]:
     if not isinstance(record, dict):
         yield "schema", f"not a JSON object: {type(record).__name__}"
         return
+    present = {**RECORD_FIELDS, **{k: v for k, v in OPTIONAL_RECORD_FIELDS.items() if k in record}}
     bad = [
         name
-        for name, types in RECORD_FIELDS.items()
+        for name, types in present.items()
         # bool is an int to Python; it is not one to a record.
         if not isinstance(record.get(name), types)
         or (isinstance(record.get(name), bool) and bool not in types)

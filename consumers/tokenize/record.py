@@ -7,9 +7,14 @@ A record (one JSON line in a shard, schema `regen.record/1`):
 - `job`: the job name.
 - `model`: the target model that generated the answer (the job spec's `model`).
 - `messages`: the prompt messages as rendered (system prompt included), then the
-  regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r}`;
-  `reasoning_content` is present only when the output had a think span. Text is the
+  regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r,
+  "tool_calls": calls}`; `reasoning_content` is present only when the output had a think
+  span, `tool_calls` only when the prompt had tools and the output ends in well-formed
+  calls (OpenAI's shape, `arguments` as the model wrote them). Where the chat template
+  renders tool calls, `content` is the text before them; where it does not (SmolLM2's),
+  `content` keeps their text too, so the turn re-renders as generated. Text is the
   server's (special tokens skipped unless the job's sampling says otherwise).
+- `tools`: the OpenAI tools the prompt was rendered with; present only when it had some.
 - `input_ids`: the prompt ids exactly as sent, then the output ids exactly as generated
   (the matched stop token included). Never re-tokenized.
 - `loss_mask`: one entry per input id: 0 for each prompt token, 1 for each generated
@@ -46,6 +51,7 @@ from regen.common.chat_family import (
 )
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
+from regen.consumers.tokenize.output_calls import split_calls
 
 RECORD_SCHEMA = "regen.record/1"
 # Field -> accepted JSON types, for readers that validate (shards verify).
@@ -56,6 +62,8 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "chat_template_kwargs": (dict,), "source": (dict,), "drift": (bool, type(None)),
     "drift_at": (int, type(None)), "server": (str,), "generated_by": (str,),
 }  # fmt: skip
+# Fields a record has only in some cases, with their types.
+OPTIONAL_RECORD_FIELDS: dict[str, tuple[type, ...]] = {"tools": (list,)}
 FINISH_REASONS = frozenset({"stop", "length"})
 ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
 # SGLang's detokenizer decodes an unfinished UTF-8 sequence as U+FFFD.
@@ -134,16 +142,19 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         reason = Reason.TRUNCATED_DROPPED if ctx.on_truncated == "drop" else Reason.TRUNCATED
         raise CheckFailed(reason, f"cut at {len(result.output_ids)} tokens (finish length)")
     _check_text(result, ctx, finish, matched)
-    reasoning, answer = _split(result, ctx, finish)
+    text, calls = _tool_calls(result, ctx, finish, matched)
+    reasoning, answer = _split(result, ctx, finish, text, has_calls=calls is not None)
 
     assistant: dict[str, Any] = {"role": "assistant", "content": answer}
     if reasoning is not None:
         assistant["reasoning_content"] = reasoning
+    if calls is not None:
+        assistant["tool_calls"] = calls
     messages = [*result.messages, assistant]
     input_ids = result.prompt_ids + result.output_ids
     n_prompt, n_output = len(result.prompt_ids), len(result.output_ids)
-    drift_at = _drift_at(ctx, messages, input_ids) if ctx.drift_check else None
-    return {
+    drift_at = _drift_at(ctx, messages, result.tools, input_ids) if ctx.drift_check else None
+    record = {
         "schema": RECORD_SCHEMA,
         "id": result.id,
         "job": result.job,
@@ -162,6 +173,9 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "server": result.server,
         "generated_by": result.worker,
     }
+    if result.tools:
+        record["tools"] = result.tools
+    return record
 
 
 def _sampling(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
@@ -239,8 +253,27 @@ def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matche
     )
 
 
-def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[str | None, str]:
-    """(reasoning, answer), after checking the output thinks as the job says it should."""
+def _tool_calls(
+    result: GeneratedResult, ctx: RecordContext, finish: str, matched: Any
+) -> tuple[str, list[dict[str, Any]] | None]:
+    """(the text to split into reasoning and answer, the calls the output ends in); only
+    a prompt with tools is answered with calls."""
+    if not result.tools or finish != "stop":
+        return result.text, None
+    return split_calls(
+        ctx.family,
+        ctx.tokenizer,
+        result.output_ids[:-1] if _is_token(matched) else result.output_ids,
+        result.text,
+        skip_special_tokens=_sampling(result, ctx).get("skip_special_tokens", True),
+    )
+
+
+def _split(
+    result: GeneratedResult, ctx: RecordContext, finish: str, text: str, *, has_calls: bool
+) -> tuple[str | None, str]:
+    """(reasoning, answer) of `text`, after checking the output thinks as the job says it
+    should; a turn that calls tools may have no answer text."""
     family = ctx.family
     opened = family.think_open_id is not None and prompt_opens_think(family, result.prompt_ids)
     thinking = ctx.thinking
@@ -254,7 +287,6 @@ def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[st
         raise CheckFailed(
             Reason.UNEXPECTED_THINKING, "thinking is off but the output has a think tag"
         )
-    text = result.text
     if thinking and finish == "stop":
         state = think_state(family, text, opened_in_prompt=opened)
         if state is ThinkState.NO_SPAN:
@@ -268,13 +300,16 @@ def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[st
             )
     reasoning, answer = split_reasoning(family, text, opened_in_prompt=opened)
     # Whitespace alone is no answer to train on either.
-    if finish == "stop" and not answer.strip():
+    if finish == "stop" and not answer.strip() and not has_calls:
         raise CheckFailed(Reason.EMPTY_ANSWER, f"no answer after the split ({len(answer)} chars)")
     return reasoning, answer
 
 
 def _drift_at(
-    ctx: RecordContext, messages: list[dict[str, Any]], input_ids: list[int]
+    ctx: RecordContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    input_ids: list[int],
 ) -> int | None:
     """Where re-rendering the conversation first departs from input_ids, or None.
 
@@ -283,7 +318,9 @@ def _drift_at(
     end of turn at all.
     """
     try:
-        rendered = render_conversation_ids(ctx.tokenizer, messages, ctx.spec.chat_template_kwargs)
+        rendered = render_conversation_ids(
+            ctx.tokenizer, messages, ctx.spec.chat_template_kwargs, tools
+        )
     except ChatTemplateError as exc:
         raise CheckFailed(Reason.RENDER_FAILED, str(exc)) from exc
     n = len(input_ids)
