@@ -235,22 +235,19 @@ def _item_turn(item: dict[str, Any], role: str, sharegpt_call: bool, where: str)
     """One kept turn of a messages list; None for an empty system message."""
     key = "value" if item.get("content") is None else "content"
     if sharegpt_call:
-        return _Turn(
-            role,
-            _Text("", ""),
-            where,
-            {"tool_calls": tool_turns.sharegpt_calls(item.get(key), where)},
-        )
-    calls = tool_turns.message_calls(item, where) if role == "assistant" else None
+        calls = tool_turns.sharegpt_calls(item.get(key), where)
+    else:
+        calls = tool_turns.message_calls(item, where) if role == "assistant" else None
+    if calls is not None:
+        # A turn that calls tools may say nothing else (OpenAI gives it null content).
+        no_text = sharegpt_call or item.get(key) is None
+        text = _Text("", "") if no_text else _text(item[key], where)
+        return _Turn(role, text, where, {"tool_calls": calls})
     if item.get(key) is None:
-        if calls is None:
-            raise BadRow(Reason.WRONG_TYPE, f"{where} has no 'content' (or 'value')")
-        return _Turn(role, _Text("", ""), where, {"tool_calls": calls})
+        raise BadRow(Reason.WRONG_TYPE, f"{where} has no 'content' (or 'value')")
     text = _text(item[key], where)
     if role == "system" and not text.key:
         return None  # an empty system message is no system message
-    if calls is not None:
-        return _Turn(role, text, where, {"tool_calls": calls})
     if role == "tool":  # a tool may well return nothing
         return _Turn(role, text, where, tool_turns.result_fields(item, where))
     return _Turn(role, _nonempty(text, where), where)
