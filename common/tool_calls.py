@@ -121,14 +121,11 @@ def _hermes_calls(text: str) -> list[dict[str, Any]] | None:
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
                 return None
             arguments = call.get("arguments", {})
-            text_arguments = arguments if isinstance(arguments, str) else orjson.dumps(arguments)
-            calls.append(_openai_call(None, call["name"], _as_text(text_arguments)))
+            if not isinstance(arguments, str):
+                arguments = orjson.dumps(arguments).decode()
+            calls.append(_openai_call(None, call["name"], arguments))
         at = block.end()
     return calls
-
-
-def _as_text(value: str | bytes) -> str:
-    return value if isinstance(value, str) else value.decode()
 
 
 def _openai_call(call_id: str | None, name: str, arguments: str) -> dict[str, Any]:

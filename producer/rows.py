@@ -234,10 +234,11 @@ def _conversation(name: str, items: object) -> list[_Turn]:
 def _item_turn(item: dict[str, Any], role: str, sharegpt_call: bool, where: str) -> _Turn | None:
     """One kept turn of a messages list; None for an empty system message."""
     key = "value" if item.get("content") is None else "content"
+    calls: list[dict[str, Any]] | None = None
     if sharegpt_call:
         calls = tool_turns.sharegpt_calls(item.get(key), where)
-    else:
-        calls = tool_turns.message_calls(item, where) if role == "assistant" else None
+    elif role == "assistant":
+        calls = tool_turns.message_calls(item, where)
     if calls is not None:
         # A turn that calls tools may say nothing else (OpenAI gives it null content).
         no_text = sharegpt_call or item.get(key) is None
