@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import jinja2
 
+from regen.common.tool_calls import ToolCallFormat, format_for, opening_marker, template_messages
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -33,7 +35,14 @@ KIMI_MASK_TOKEN_ID = 163838
 _RESERVED = re.compile(r"reserved|unused", re.IGNORECASE)
 # apply_chat_template's own parameters: as template kwargs they would collide with ours.
 _RENDER_PARAMETERS = frozenset(
-    {"add_generation_prompt", "continue_final_message", "tokenize", "return_dict", "chat_template"}
+    {
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "chat_template",
+        "tools",
+    }
 )
 
 
@@ -51,6 +60,13 @@ class ChatFamily:
     think_close_id: int | None
     end_of_turn_ids: tuple[int, ...]
     mask_token_id: int | None  # suggestion for DFlash drafters
+    tool_call_format: ToolCallFormat  # how the model writes tool calls
+    # The token that opens the model's tool calls, where it is one token: a special one
+    # (Kimi's) is dropped from the server's text, so the calls are found in the ids.
+    tool_call_open_id: int | None
+    # Whether the template renders an assistant turn's tool_calls (SmolLM2's does not:
+    # a record then keeps the calls' text in its content, so that it re-renders).
+    renders_tool_calls: bool
 
 
 def detect_family(tokenizer: PreTrainedTokenizerBase) -> ChatFamily:
@@ -71,6 +87,7 @@ def detect_family(tokenizer: PreTrainedTokenizerBase) -> ChatFamily:
         vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab and t in template
     ]
     end_ids.append(tokenizer.eos_token_id)
+    tool_format = format_for(vocab)
     return ChatFamily(
         name=name,
         thinking_kwarg=kwarg,
@@ -80,6 +97,9 @@ def detect_family(tokenizer: PreTrainedTokenizerBase) -> ChatFamily:
         think_close_id=vocab["</think>"] if has_think else None,
         end_of_turn_ids=tuple(dict.fromkeys(i for i in end_ids if i is not None)),
         mask_token_id=_mask_token_id(tokenizer, name),
+        tool_call_format=tool_format,
+        tool_call_open_id=vocab.get(opening_marker(tool_format)),
+        renders_tool_calls="tool_calls" in template,
     )
 
 
@@ -139,9 +159,11 @@ def render_prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     template_kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt ids as SGLang's chat path would send them, ending in the generation prompt."""
-    text = _render(tokenizer, messages, template_kwargs, add_generation_prompt=True)
+    """The prompt ids as SGLang's chat path would send them, ending in the generation
+    prompt; `tools` are the OpenAI tools the conversation may call."""
+    text = _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -149,6 +171,7 @@ def render_conversation_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     template_kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """A whole conversation, final assistant turn included (with its `reasoning_content`
     where the template renders it): what the drift check compares records against.
@@ -156,7 +179,7 @@ def render_conversation_ids(
     Some templates (chatml) end every turn with a newline the model never generates, so
     a record's ids are a prefix of this rendering rather than equal to it.
     """
-    text = _render(tokenizer, messages, template_kwargs, add_generation_prompt=False)
+    text = _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -164,6 +187,7 @@ def _render(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None,
     *,
     add_generation_prompt: bool,
 ) -> str:
@@ -172,13 +196,14 @@ def _render(
             f"the tokenizer at {tokenizer.name_or_path} has no chat template "
             "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
         )
-    # SGLang renders a missing content as "", which templates that concatenate need.
-    prepared = [
-        {**m, "content": "" if m.get("content") is None else m["content"]} for m in messages
-    ]
+    if tools:  # as SGLang does: a template sees tools only where there are some
+        kwargs = {**kwargs, "tools": list(tools)}
     try:
         text = tokenizer.apply_chat_template(
-            prepared, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            template_messages(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
         )
     except (jinja2.TemplateError, TypeError) as exc:
         # raise_exception() in the template, undefined variables, and the TypeErrors
@@ -247,13 +272,17 @@ def split_output(
     return split_reasoning(family, text, opened_in_prompt=opened)
 
 
-def assistant_message(reasoning: str | None, answer: str) -> dict[str, Any]:
+def assistant_message(
+    reasoning: str | None, answer: str, tool_calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """A generated turn as a chat template takes it back: the answer as `content`, the
     reasoning (where the output had a think span) as `reasoning_content`, which templates
-    keep or drop in history as serving does."""
+    keep or drop in history as serving does, and the tool calls it ended in."""
     message: dict[str, Any] = {"role": "assistant", "content": answer}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
     return message
 
 

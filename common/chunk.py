@@ -26,6 +26,8 @@ class ChunkPrompt:
     messages: list[dict[str, Any]]
     # Provenance: {"file": ..., "row": ..., "id": source row id or None}.
     source: dict[str, Any]
+    # The OpenAI tools the prompt was rendered with; None without (and in older chunks).
+    tools: list[dict[str, Any]] | None = None
     # The turns to run (`--turns all`); `id`, `prompt_ids` and `messages` are then its
     # first turn's, and `prompt_ids` may be empty: the worker renders them.
     conversation: Conversation | None = None

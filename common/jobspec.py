@@ -26,6 +26,15 @@ TURNS_LAST = "last"
 TURNS_ALL = "all"
 TURN_MODES = (TURNS_LAST, TURNS_ALL)
 
+# Which rule made a job's prompts from its rows. "as_written": each message's text is
+# rendered as the dataset has it, and only the dedupe key (the prompt id) is normalized.
+# "stripped": the normalized text itself (NFC, \r\n to \n, leading and trailing
+# whitespace stripped) was rendered, as in every job whose spec predates the field. The
+# ids are the same under both, so an old job extended by a newer regen keeps its rule.
+PROMPT_TEXT_AS_WRITTEN = "as_written"
+PROMPT_TEXT_STRIPPED = "stripped"
+PROMPT_TEXT_RULES = frozenset({PROMPT_TEXT_AS_WRITTEN, PROMPT_TEXT_STRIPPED})
+
 # SGLang sampling_params regen lets a job set (docs/design.md, SGLang contract).
 SAMPLING_KEYS = frozenset(
     {
@@ -76,6 +85,8 @@ class JobSpec:
     queue: str
     turns: str = TURNS_LAST
     version: int = SPEC_VERSION
+    # Not compared: a job keeps the rule it was made with (see PROMPT_TEXT_RULES).
+    prompt_text: str = field(default=PROMPT_TEXT_STRIPPED, compare=False)
     created: float = field(default_factory=time.time, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +102,8 @@ class JobSpec:
             raise JobSpecError("sampling.max_new_tokens must be a positive integer")
         if self.turns not in TURN_MODES:
             raise JobSpecError(f"turns must be one of {', '.join(TURN_MODES)}, not {self.turns!r}")
+        if self.prompt_text not in PROMPT_TEXT_RULES:
+            raise JobSpecError(f"unknown prompt_text rule {self.prompt_text!r}: newer regen?")
         if self.chunk_size < 1:
             raise JobSpecError("chunk_size must be at least 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -135,7 +148,8 @@ class JobSpec:
 
 
 def save(r: redis.Redis, spec: JobSpec) -> JobSpec:
-    """Store a new job's spec, or check it against the stored one. Returns the stored spec."""
+    """Store a new job's spec, or check it against the stored one. Returns the stored spec,
+    which is the one to enqueue with: it keeps the job's own prompt-text rule."""
     key = keys.job_spec(spec.name)
     if r.set(key, spec.to_json(), nx=True):
         r.sadd(keys.JOBS, spec.name)

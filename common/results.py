@@ -40,6 +40,8 @@ class GeneratedResult:
     # With `--turns all`: the conversation and the turn (0 first) this result answers.
     conversation_id: str | None = None
     turn: int | None = None
+    # The OpenAI tools the prompt was rendered with; None without (and in older results).
+    tools: list[dict[str, Any]] | None = None
 
     def to_fields(self) -> dict[bytes, bytes]:
         return {FIELD: orjson.dumps(asdict(self))}

@@ -22,10 +22,15 @@ _TURN = {"role": "assistant"}
 def split_turns(prompt: Prompt) -> tuple[Prompt, Conversation]:
     """(the first turn's prompt, the conversation); raises BadRow for an assistant
     message before any user message, which no turn could regenerate."""
+    # The messages as written are what is rendered; their normalized key (one message
+    # for each) is what the ids hash.
+    keyed = prompt.messages if prompt.key is None else prompt.key
     groups: list[list[dict[str, Any]]] = [[]]
-    for index, message in enumerate(prompt.messages):
+    key_groups: list[list[dict[str, Any]]] = [[]]
+    for index, (message, key) in enumerate(zip(prompt.messages, keyed, strict=True)):
         if message["role"] != "assistant":
             groups[-1].append(message)
+            key_groups[-1].append(key)
         elif not any(m["role"] == "user" for m in groups[0]):
             raise BadRow(
                 Reason.BAD_ORDER,
@@ -34,6 +39,12 @@ def split_turns(prompt: Prompt) -> tuple[Prompt, Conversation]:
             )
         elif groups[-1]:  # a run of assistant messages is one turn
             groups.append([])
-    conversation_id = prompt_id([m for group in groups for m in [*group, _TURN]])
-    first = Prompt(messages=groups[0], source_id=prompt.source_id)
+            key_groups.append([])
+    conversation_id = prompt_id([m for group in key_groups for m in [*group, _TURN]], prompt.tools)
+    first = Prompt(
+        messages=groups[0],
+        tools=prompt.tools,
+        source_id=prompt.source_id,
+        key=None if prompt.key is None else key_groups[0],
+    )
     return first, Conversation(id=conversation_id, later=groups[1:])

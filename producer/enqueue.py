@@ -141,7 +141,11 @@ class Enqueuer:
             return None
         conversation = None
         try:
-            prompt = to_prompt(raw.value, system_prompt=self._spec.system_prompt)
+            prompt = to_prompt(
+                raw.value,
+                system_prompt=self._spec.system_prompt,
+                prompt_text=self._spec.prompt_text,
+            )
             if self._spec.turns == TURNS_ALL:
                 prompt, conversation = split_turns(prompt)
         except BadRow as exc:
@@ -221,10 +225,10 @@ class Enqueuer:
         return fresh
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
-        messages = item.prompt.messages
+        messages, tools = item.prompt.messages, item.prompt.tools
         try:
             ids = chat_family.render_prompt_ids(
-                self._job.tokenizer, messages, self._spec.chat_template_kwargs
+                self._job.tokenizer, messages, self._spec.chat_template_kwargs, tools
             )
         except Exception as exc:  # a template that raises on this conversation
             self._dead_letter_prompt(item, "template_error", f"chat template failed: {exc}", [])
@@ -242,7 +246,14 @@ class Enqueuer:
                 ids,
             )
             return None
-        return ChunkPrompt(item.id, ids, messages, item.source, item.conversation)
+        return ChunkPrompt(
+            id=item.id,
+            prompt_ids=ids,
+            messages=messages,
+            source=item.source,
+            tools=tools,
+            conversation=item.conversation,
+        )
 
     def _dead_letter_prompt(
         self, item: _Pending, reason: str, message: str, prompt_ids: list[int]
@@ -253,6 +264,7 @@ class Enqueuer:
         pid = item.id
         payload: dict[str, Any] = {
             "messages": item.prompt.messages,
+            "tools": item.prompt.tools,
             "prompt_tokens": len(prompt_ids),
         }
         if item.conversation is not None:

@@ -111,7 +111,11 @@ def scan_prompts(
                 continue
             conversation = None
             try:
-                prompt = to_prompt(raw.value, system_prompt=job.spec.system_prompt)
+                prompt = to_prompt(
+                    raw.value,
+                    system_prompt=job.spec.system_prompt,
+                    prompt_text=job.spec.prompt_text,
+                )
                 if job.spec.turns == TURNS_ALL:
                     prompt, conversation = split_turns(prompt)
             except BadRow as exc:
@@ -147,7 +151,7 @@ def _tokenize(
     """Render one prompt as `Enqueuer._render` does, with the same outcomes."""
     scan.tokenized += 1
     contexts = [] if conversation is None else conversation.later
-    ids = _accepted_ids(scan, job, prompt.messages)
+    ids = _accepted_ids(scan, job, prompt.messages, prompt.tools)
     if ids is None:
         _count(scan.rejected_tokenized, BLOCKED, len(contexts))
         return
@@ -163,17 +167,20 @@ def _tokenize(
     for turn, context in enumerate(contexts, 1):
         # The worker refuses a later turn as enqueue refuses a first one, and the rest wait.
         messages += [{"role": "assistant", "content": ""}, *context]
-        if _accepted_ids(scan, job, messages) is None:
+        if _accepted_ids(scan, job, messages, prompt.tools) is None:
             _count(scan.rejected_tokenized, BLOCKED, len(contexts) - turn)
             return
 
 
 def _accepted_ids(
-    scan: PromptScan, job: PreparedJob, messages: list[dict[str, Any]]
+    scan: PromptScan,
+    job: PreparedJob,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
 ) -> list[int] | None:
     """The prompt's ids, its length counted; None when refused, the reason counted."""
     try:
-        ids = render_prompt_ids(job.tokenizer, messages, job.spec.chat_template_kwargs)
+        ids = render_prompt_ids(job.tokenizer, messages, job.spec.chat_template_kwargs, tools)
     except Exception:  # enqueue dead-letters whatever the template raises, so count it
         _count(scan.rejected_tokenized, TEMPLATE_ERROR)
         return None

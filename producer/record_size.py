@@ -167,6 +167,7 @@ def _result(
         chunk="",
         prompt_ids=example.prompt_ids,
         messages=example.prompt.messages,
+        tools=example.prompt.tools,
         source=example.source,
         output_ids=output,
         text=text,

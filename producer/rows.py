@@ -1,4 +1,5 @@
-"""Turn a raw dataset row into the prompt regen sends: normalized chat messages.
+"""Turn a raw dataset row into the prompt regen sends: chat messages, and the tools
+they may call.
 
 Row shapes, detected per row (a key whose value is null counts as absent, because
 Parquet files give every row every column):
@@ -17,21 +18,33 @@ do). The system message is, by precedence: the conversation's own, then the row'
 ``system`` field, then the CLI's ``system_prompt``. An empty system message counts as
 none.
 
-Trailing assistant turns are dropped (they are what gets regenerated); the history up to
-and including the last user turn is kept. A system message may only come first.
+Tool use (`producer.tool_turns`): a row-level ``tools`` list, assistant turns with
+``tool_calls``, ``tool``/``function`` results, ShareGPT ``function_call`` and
+``observation`` turns.
 
-Normalization, which defines what counts as a duplicate: Unicode NFC, ``\\r\\n`` to
-``\\n``, leading and trailing whitespace stripped from each content, roles lower-cased.
+Trailing assistant turns are dropped (they are what gets regenerated); the history up to
+and including the last user or tool-result turn is kept. A system message may only come
+first.
+
+Text is rendered as the dataset writes it. The dedupe key (the prompt id) normalizes it:
+Unicode NFC, ``\\r\\n`` to ``\\n``, leading and trailing whitespace stripped from each
+content, roles lower-cased. A job made before that rule (`jobspec.PROMPT_TEXT_STRIPPED`)
+rendered the normalized text itself, and keeps doing so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import orjson
+
+from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, PROMPT_TEXT_STRIPPED
+from regen.producer import tool_turns
+from regen.producer.tool_turns import BadToolTurn
 
 
 class Reason:
@@ -50,6 +63,11 @@ class Reason:
     EMPTY_CONTENT = "empty_content"
     NO_USER_TURN = "no_user_turn"
     BAD_ORDER = "bad_order"
+    # Tool use (producer.tool_turns).
+    BAD_TOOLS = tool_turns.BAD_TOOLS
+    BAD_TOOL_CALL = tool_turns.BAD_TOOL_CALL
+    BAD_TOOL_ARGUMENTS = tool_turns.BAD_TOOL_ARGUMENTS
+    TOOL_WITHOUT_CALL = tool_turns.TOOL_WITHOUT_CALL
 
 
 class BadRow(Exception):
@@ -63,24 +81,32 @@ class BadRow(Exception):
 
 @dataclass(frozen=True)
 class Prompt:
-    """The normalized messages to send (roles system/user/assistant, ending on user) and
-    the row's own id, kept as provenance only."""
+    """The messages to send (roles system/user/assistant/tool, ending on user or tool), the
+    tools they may call, and the row's own id, kept as provenance only.
 
-    messages: list[dict[str, str]]
+    `key` is the normalized form of `messages` that the id hashes; None when `messages`
+    are that form already.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
     source_id: str | None = None
+    key: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     @cached_property
     def id(self) -> str:
-        return prompt_id(self.messages)
+        return prompt_id(self.messages if self.key is None else self.key, self.tools)
 
 
-def prompt_id(messages: list[dict[str, str]]) -> str:
-    """Stable 16-hex-char id of normalized messages (as `to_prompt` returns them).
+def prompt_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """Stable 16-hex-char id of normalized messages (a `Prompt`'s key) and their tools.
 
     Identical content always gets the same id, so re-enqueueing a dataset is idempotent
-    and exact duplicates collapse to one prompt.
+    and exact duplicates collapse to one prompt. Without tools the id is the one regen
+    always gave those messages.
     """
-    blob = orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)
+    content: object = messages if not tools else {"messages": messages, "tools": tools}
+    blob = orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
@@ -94,49 +120,92 @@ _ROLES = {
     "chatgpt": "assistant",
     "bing": "assistant",
     "bard": "assistant",
+    "function_call": "assistant",  # ShareGPT: its value is the call
+    "tool": "tool",
+    "function": "tool",  # OpenAI's legacy tool result
+    "observation": "tool",  # ShareGPT
 }
 _CONVERSATION_FIELDS = ("messages", "conversations", "conversation")
 _BARE_FIELDS = ("question", "text")
 _ID_FIELDS = ("id", "uuid", "conversation_id", "idx", "question_id")
-# A turn: role, normalized non-empty content, and where it is in the row (for messages).
-_Turn = tuple[str, str, str]
 
 
-def to_prompt(value: object, *, system_prompt: str | None = None) -> Prompt:
-    """Interpret one raw row; raises BadRow with a `Reason` code when it cannot."""
+@dataclass(frozen=True)
+class _Text:
+    raw: str  # as the dataset writes it
+    key: str  # normalized (see the module docstring)
+
+
+@dataclass(frozen=True)
+class _Turn:
+    role: str
+    text: _Text
+    where: str  # where it is in the row, for messages
+    # What else the template takes: tool_calls, or a result's tool_call_id and name.
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def to_prompt(
+    value: object, *, system_prompt: str | None = None, prompt_text: str = PROMPT_TEXT_AS_WRITTEN
+) -> Prompt:
+    """Interpret one raw row; raises BadRow with a `Reason` code when it cannot.
+
+    `prompt_text` is the job's rule (`jobspec.PROMPT_TEXT_RULES`): which text is rendered.
+    """
     if not isinstance(value, dict):
         raise BadRow(Reason.NOT_AN_OBJECT, f"row is a JSON {_kind(value)}, not an object")
-    turns = _turns(value)
-    roles = [role for role, _, _ in turns]
-    if "user" not in roles:
-        raise BadRow(Reason.NO_USER_TURN, "row has no user turn")
-    if roles[-1] != "user":
-        raise BadRow(Reason.BAD_ORDER, f"{turns[-1][2]} is the last turn but not a user turn")
-    for role, _, where in turns[1:]:
-        if role == "system":
-            raise BadRow(Reason.BAD_ORDER, f"{where} is a system message; only the first may be")
-    messages = [{"role": role, "content": content} for role, content, _ in turns]
-    if roles[0] != "system":
+    try:
+        turns = _turns(value)
+        tools = tool_turns.row_tools(value)
+        _check_order(turns)
+        tool_turns.link_results([(t.role, t.fields, t.where) for t in turns])
+    except BadToolTurn as exc:
+        raise BadRow(exc.reason, exc.message) from exc
+    if turns[0].role != "system":
         system = _system_field(value)
         if system is None and system_prompt is not None:
-            system = _normalize(system_prompt)
-        if system:
-            messages.insert(0, {"role": "system", "content": system})
-    return Prompt(messages=messages, source_id=_source_id(value))
+            system = _Text(system_prompt, _normalize(system_prompt))
+        if system is not None and system.key:
+            turns.insert(0, _Turn("system", system, "system prompt"))
+    stripped = prompt_text == PROMPT_TEXT_STRIPPED
+    messages = [
+        _message(turn, turn.text.key if stripped else turn.text.raw, turn.fields) for turn in turns
+    ]
+    key = [_message(turn, turn.text.key, tool_turns.key_fields(turn.fields)) for turn in turns]
+    return Prompt(messages=messages, tools=tools, source_id=_source_id(value), key=key)
+
+
+def _message(turn: _Turn, content: str, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"role": turn.role, "content": content, **fields}
+
+
+def _check_order(turns: list[_Turn]) -> None:
+    roles = [turn.role for turn in turns]
+    if "user" not in roles:
+        raise BadRow(Reason.NO_USER_TURN, "row has no user turn")
+    if roles[-1] not in ("user", "tool"):
+        raise BadRow(
+            Reason.BAD_ORDER, f"{turns[-1].where} is the last turn but not a user or tool turn"
+        )
+    for turn in turns[1:]:
+        if turn.role == "system":
+            raise BadRow(
+                Reason.BAD_ORDER, f"{turn.where} is a system message; only the first may be"
+            )
 
 
 def _turns(row: dict[str, object]) -> list[_Turn]:
-    for field in _CONVERSATION_FIELDS:
-        if row.get(field) is not None:
-            return _conversation(field, row[field])
+    for name in _CONVERSATION_FIELDS:
+        if row.get(name) is not None:
+            return _conversation(name, row[name])
     if row.get("instruction") is not None:
-        return [("user", _alpaca(row), "'instruction'")]
+        return [_Turn("user", _alpaca(row), "'instruction'")]
     if isinstance(row.get("prompt"), list):
         return _conversation("prompt", row["prompt"])
-    for field in ("prompt", *_BARE_FIELDS):
-        if row.get(field) is not None:
-            where = f"'{field}'"
-            return [("user", _nonempty(_text(row[field], where), where), where)]
+    for name in ("prompt", *_BARE_FIELDS):
+        if row.get(name) is not None:
+            where = f"'{name}'"
+            return [_Turn("user", _nonempty(_text(row[name], where), where), where)]
     raise BadRow(
         Reason.UNKNOWN_SHAPE,
         "row has none of 'messages', 'conversations', 'instruction', 'prompt', 'question', "
@@ -144,28 +213,49 @@ def _turns(row: dict[str, object]) -> list[_Turn]:
     )
 
 
-def _conversation(field: str, items: object) -> list[_Turn]:
+def _conversation(name: str, items: object) -> list[_Turn]:
     """The turns of a messages list, trailing assistant turns dropped unchecked (they
     are what gets regenerated) and empty system messages dropped."""
     if not isinstance(items, list):
-        raise BadRow(Reason.WRONG_TYPE, f"row has '{field}' but it is a {_kind(items)}, not a list")
-    roles = [_role(f"{field}[{index}]", item) for index, item in enumerate(items)]
+        raise BadRow(Reason.WRONG_TYPE, f"row has '{name}' but it is a {_kind(items)}, not a list")
+    spellings = [_spelling(f"{name}[{index}]", item) for index, item in enumerate(items)]
+    roles = [_ROLES[spelling] for spelling in spellings]
     while roles and roles[-1] == "assistant":
         roles.pop()
     turns = []
     for index, role in enumerate(roles):
-        item, where = items[index], f"{field}[{index}]"
-        key = "value" if item.get("content") is None else "content"
-        if item.get(key) is None:
-            raise BadRow(Reason.WRONG_TYPE, f"{where} has no 'content' (or 'value')")
-        content = _text(item[key], where)
-        if role == "system" and not content:
-            continue  # an empty system message is no system message
-        turns.append((role, _nonempty(content, where), where))
+        item, where = items[index], f"{name}[{index}]"
+        turn = _item_turn(item, role, spellings[index] == "function_call", where)
+        if turn is not None:
+            turns.append(turn)
     return turns
 
 
-def _role(where: str, item: object) -> str:
+def _item_turn(item: dict[str, Any], role: str, sharegpt_call: bool, where: str) -> _Turn | None:
+    """One kept turn of a messages list; None for an empty system message."""
+    key = "value" if item.get("content") is None else "content"
+    calls: list[dict[str, Any]] | None = None
+    if sharegpt_call:
+        calls = tool_turns.sharegpt_calls(item.get(key), where)
+    elif role == "assistant":
+        calls = tool_turns.message_calls(item, where)
+    if calls is not None:
+        # A turn that calls tools may say nothing else (OpenAI gives it null content).
+        no_text = sharegpt_call or item.get(key) is None
+        text = _Text("", "") if no_text else _text(item[key], where)
+        return _Turn(role, text, where, {"tool_calls": calls})
+    if item.get(key) is None:
+        raise BadRow(Reason.WRONG_TYPE, f"{where} has no 'content' (or 'value')")
+    text = _text(item[key], where)
+    if role == "system" and not text.key:
+        return None  # an empty system message is no system message
+    if role == "tool":  # a tool may well return nothing
+        return _Turn(role, text, where, tool_turns.result_fields(item, where))
+    return _Turn(role, _nonempty(text, where), where)
+
+
+def _spelling(where: str, item: object) -> str:
+    """The role as the row spells it, lower-cased; one of `_ROLES`."""
     if not isinstance(item, dict):
         raise BadRow(Reason.WRONG_TYPE, f"{where} is a {_kind(item)}, not an object")
     # ShareGPT says from/value, OpenAI role/content; a Parquet struct may hold all four
@@ -176,19 +266,19 @@ def _role(where: str, item: object) -> str:
         raise BadRow(Reason.WRONG_TYPE, f"{where} has no 'role' (or 'from')")
     if not isinstance(raw, str):
         raise BadRow(Reason.WRONG_TYPE, f"{where} has a '{key}' that is a {_kind(raw)}")
-    role = _ROLES.get(raw.strip().lower())
-    if role is None:
+    spelling = raw.strip().lower()
+    if spelling not in _ROLES:
         raise BadRow(
             Reason.UNSUPPORTED_ROLE,
-            f"{where} has role {raw!r}; regen takes system, user and assistant turns only",
+            f"{where} has role {raw!r}; regen takes system, user, assistant and tool turns",
         )
-    return role
+    return spelling
 
 
-def _text(content: object, where: str) -> str:
-    """Normalized text of a content: a string, or a list of text parts."""
+def _text(content: object, where: str) -> _Text:
+    """The text of a content: a string, or a list of text parts."""
     if isinstance(content, str):
-        return _normalize(content)
+        return _Text(content, _normalize(content))
     if not isinstance(content, list):
         raise BadRow(Reason.WRONG_TYPE, f"{where} has content that is a {_kind(content)}")
     texts = []
@@ -204,31 +294,36 @@ def _text(content: object, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise BadRow(Reason.WRONG_TYPE, f"{where} content part {index} has no 'text' string")
         texts.append(part["text"])
-    return _normalize("\n".join(texts))
+    joined = "\n".join(texts)
+    return _Text(joined, _normalize(joined))
 
 
-def _nonempty(content: str, where: str) -> str:
-    if not content:
+def _nonempty(text: _Text, where: str) -> _Text:
+    if not text.key:
         raise BadRow(Reason.EMPTY_CONTENT, f"{where} is empty or whitespace only")
-    return content
+    return text
 
 
-def _alpaca(row: dict[str, object]) -> str:
+def _alpaca(row: dict[str, object]) -> _Text:
     parts = [_text(row["instruction"], "'instruction'")]
     if row.get("input") is not None:
         parts.append(_text(row["input"], "'input'"))
-    return _nonempty("\n\n".join(part for part in parts if part), "'instruction' (with 'input')")
+    kept = [part for part in parts if part.key]
+    # The key joins the normalized parts: the text regen always gave these rows' ids.
+    text = _Text("\n\n".join(p.raw for p in kept), "\n\n".join(p.key for p in kept))
+    return _nonempty(text, "'instruction' (with 'input')")
 
 
-def _system_field(row: dict[str, object]) -> str | None:
+def _system_field(row: dict[str, object]) -> _Text | None:
     if row.get("system") is None:
         return None
-    return _text(row["system"], "'system'") or None
+    text = _text(row["system"], "'system'")
+    return text if text.key else None
 
 
 def _source_id(row: dict[str, object]) -> str | None:
-    for field in _ID_FIELDS:
-        value = row.get(field)
+    for name in _ID_FIELDS:
+        value = row.get(name)
         # bool is an int subclass, and a flag is no id.
         if isinstance(value, str | int) and not isinstance(value, bool) and value != "":
             return str(value)

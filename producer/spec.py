@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from regen.common import chat_family, defaults, keys, tokenizer
-from regen.common.jobspec import TURNS_LAST, JobSpec
+from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, TURNS_LAST, JobSpec
 
 
 @dataclass(frozen=True)
@@ -77,5 +77,6 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         context_length=context,
         queue=options.queue or keys.generate_queue(options.job),
         turns=options.turns,
+        prompt_text=PROMPT_TEXT_AS_WRITTEN,
     )
     return PreparedJob(spec=spec, tokenizer=tok, family=family)

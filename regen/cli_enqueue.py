@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from regen.common import connection, defaults, jobspec
@@ -101,7 +103,8 @@ def enqueue(
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
     try:
-        jobspec.save(r, prepared.spec)
+        # The stored spec: an existing job keeps the prompt-text rule it was made with.
+        prepared = dataclasses.replace(prepared, spec=jobspec.save(r, prepared.spec))
     except jobspec.JobSpecMismatch as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(

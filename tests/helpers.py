@@ -76,3 +76,51 @@ def wait_for(condition: Any, timeout: float = 60.0, what: str = "condition") -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
+
+
+# Tool-use rows, one of each shape (as in the demo's bundled rows).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+# OpenAI: row-level tools, an assistant call with null content, the tool's result.
+OPENAI_TOOL_ROW: dict[str, Any] = {
+    "tools": [WEATHER_TOOL],
+    "messages": [
+        {"role": "user", "content": "Is it sunny in Paris right now?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\": \"sunny\", \"c\": 21}"},
+        {"role": "assistant", "content": "Yes: sunny and 21 degrees."},
+    ],
+}  # fmt: skip
+# LLaMA-Factory's ShareGPT: tools as a JSON string of bare function schemas, a
+# function_call turn holding the call's JSON, an observation turn holding the result.
+MULTIPLY = {
+    "name": "multiply",
+    "description": "Multiply two numbers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+    },
+}
+SHAREGPT_TOOL_ROW: dict[str, Any] = {
+    "conversations": [
+        {"from": "human", "value": "What is 12 times 7?"},
+        {"from": "function_call", "value": '{"name": "multiply", "arguments": {"a": 12, "b": 7}}'},
+        {"from": "observation", "value": "84"},
+        {"from": "gpt", "value": "12 times 7 is 84."},
+    ],
+    "system": "Use the calculator for arithmetic.",
+    "tools": json.dumps([MULTIPLY]),
+}

@@ -45,6 +45,13 @@ def check_output(stdout: str, folder: Path) -> None:
     assert records
     for record in records:
         assert record["loss_mask"][-1] == 1 and record["finish_reason"] == "stop"
+    # The two tool-use rows render with their tools; each answers its tool's result (one
+    # may be cut by max_new_tokens and dead-lettered like any other answer).
+    tool_records = [record for record in records if "tools" in record]
+    assert 1 <= len(tool_records) <= 2
+    for record in tool_records:
+        assert [m["role"] for m in record["messages"][-3:]] == ["assistant", "tool", "assistant"]
+        assert record["messages"][-3]["tool_calls"]
 
 
 def test_the_demo_against_an_sglang_server(tmp_path: Path) -> None:

@@ -215,11 +215,11 @@ def test_input_entries_too_long_are_requeued_once_they_fit(
     assert "requeued 1 prompt(s)" in done.output and "still too long" in done.output
     (chunk,) = [c for c in queued_chunks(r, spec.queue) if c["sampling"]]
     (prompt,) = chunk["prompts"]
-    assert prompt["messages"][-1]["content"] == fits_later.strip()
+    assert prompt["messages"][-1]["content"] == fits_later  # as written
     kwargs = spec.chat_template_kwargs
     assert prompt["prompt_ids"] == render_prompt_ids(smollm2_tokenizer, prompt["messages"], kwargs)
     (left,) = list(dlq.entries(r, JOB, "input"))
-    assert left.payload["messages"][-1]["content"] == never.strip()
+    assert left.payload["messages"][-1]["content"] == never  # as written
 
 
 def test_tokenize_entries_can_be_generated_again(
@@ -341,7 +341,7 @@ def test_a_rejected_prompt_requeued_with_a_smaller_max_new_tokens_ends_in_a_shar
     records = {rec["id"]: rec for shard in shard_paths(out / "g") for rec in iter_records(shard)}
     assert letter.entry_id in generated and set(records) == generated
     assert records[letter.entry_id]["sampling"]["max_new_tokens"] == 16
-    assert records[letter.entry_id]["messages"][0]["content"] == long_prompt.strip()
+    assert records[letter.entry_id]["messages"][0]["content"] == long_prompt  # as written
     others = [rec for pid, rec in records.items() if pid != letter.entry_id]
     assert all(rec["sampling"]["max_new_tokens"] == 48 for rec in others)
     assert sum(dlq.count(r, "g", stage) for stage in keys.STAGES) == 0

@@ -202,3 +202,45 @@ def test_a_rerun_resumes_from_the_cursor(redis_url: str, r: redis.Redis, tmp_pat
     assert second.rows_resumed == 10 and second.rows_read == 10 and second.enqueued == 10
     ids = [p["id"] for p in queued_prompts(r)]
     assert len(ids) == len(set(ids)) == 20
+
+
+CODE_ROW = {"prompt": "Fix the bug:\n\ndef add(a, b):\n    return a - b\n"}
+
+
+def test_a_prompt_reaches_the_server_as_written(
+    redis_url: str, r: redis.Redis, tmp_path: Path, smollm2_tokenizer: Any
+) -> None:
+    padded = {"prompt": CODE_ROW["prompt"].rstrip("\n") + "  \r\n"}
+    path = write_jsonl(tmp_path / "code.jsonl", [CODE_ROW, padded])
+    stats = enqueue(redis_url, [path])
+
+    assert (stats.enqueued, stats.duplicates) == (1, 1)  # one dedupe key for both rows
+    (prompt,) = queued_prompts(r)
+    assert prompt["messages"] == [{"role": "user", "content": CODE_ROW["prompt"]}]
+    sent = smollm2_tokenizer.decode(prompt["prompt_ids"], skip_special_tokens=False)
+    assert sent.endswith("    return a - b\n<|im_end|>\n<|im_start|>assistant\n")
+    assert jobspec.load(r, "j").prompt_text == jobspec.PROMPT_TEXT_AS_WRITTEN
+
+
+def test_an_older_job_keeps_rendering_stripped_text(
+    redis_url: str, r: redis.Redis, tmp_path: Path, smollm2_tokenizer: Any
+) -> None:
+    # A spec stored before the rule existed has no prompt_text: it stripped each text.
+    old = prepare_job(JobOptions(job="old", model="smollm2", max_new_tokens=64)).spec
+    stored = {k: v for k, v in orjson.loads(old.to_json()).items() if k != "prompt_text"}
+    r.set(keys.job_spec("old"), orjson.dumps(stored))
+    r.sadd(keys.JOBS, "old")
+    path = write_jsonl(tmp_path / "code.jsonl", [CODE_ROW])
+
+    result = CliRunner().invoke(main, [
+        "enqueue", str(path), "--job", "old", "--model", "smollm2", "--max-new-tokens", "64",
+        "--redis-url", redis_url,
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (prompt,) = queued_prompts(r, "old")
+    assert prompt["messages"] == [{"role": "user", "content": CODE_ROW["prompt"].strip()}]
+    assert prompt["prompt_ids"] == render_prompt_ids(smollm2_tokenizer, prompt["messages"], {})
+    # The same id a new job gives the row: extending the old job stays idempotent.
+    enqueue(redis_url, [path], job="new")
+    (new,) = queued_prompts(r, "new")
+    assert new["id"] == prompt["id"] and new["messages"][0]["content"] == CODE_ROW["prompt"]

@@ -350,3 +350,115 @@ def test_qwen3_style_thinks_by_default(qwen3_tokenizer: Any) -> None:
     }  # fmt: skip
     no_span = ids(qwen3_tokenizer, "Four.", SMOL_IM_END)
     assert failure(make_result(ctx, no_span), ctx) == Reason.MISSING_THINKING
+
+
+# --- tool calls ---------------------------------------------------------------------------
+
+KIMI_SECTION, KIMI_SECTION_END = 163595, 163596
+KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END = 163597, 163598, 163599
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def tool_result(ctx: RecordContext, output: list[int], **overrides: Any) -> GeneratedResult:
+    """A result for ASK rendered with TOOLS (or `tools=...`)."""
+    tools = overrides.pop("tools", TOOLS)
+    prompt_ids = render_prompt_ids(ctx.tokenizer, ASK, ctx.spec.chat_template_kwargs, tools)
+    return make_result(ctx, output, messages=ASK, tools=tools, prompt_ids=prompt_ids,
+                       prompt_tokens=len(prompt_ids), **overrides)  # fmt: skip
+
+
+def kimi_call(tokenizer: Any, arguments: str, *head: str | int) -> list[int]:
+    return ids(tokenizer, *head, KIMI_SECTION, KIMI_CALL, "functions.get_weather:0",
+               KIMI_ARGUMENTS, arguments, KIMI_CALL_END, KIMI_SECTION_END, IM_END)  # fmt: skip
+
+
+def test_kimi_tool_calls_are_parsed_from_the_ids(kimi: RecordContext) -> None:
+    output = kimi_call(kimi.tokenizer, '{"city": "Paris"}', "Need data.", THINK_END, "Checking.")
+    result = tool_result(kimi, output)
+    assert "tool_call" not in result.text  # the section's special tokens are not in the text
+    record = build_record(result, kimi)
+
+    assert record["messages"][-1] == {
+        "role": "assistant", "content": "Checking.", "reasoning_content": "Need data.",
+        "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+    }  # fmt: skip
+    assert record["input_ids"] == result.prompt_ids + output
+    assert (record["drift"], record["drift_at"]) == (False, None)
+    assert record["tools"] == TOOLS
+    assert set(record) == {*RECORD_FIELDS, "tools"}
+    # The same when the job keeps special tokens in the text (SGLang's chat path does).
+    keep = make_ctx(kimi.tokenizer, sampling={"max_new_tokens": 64, "skip_special_tokens": False})
+    kept = tool_result(keep, output, text=kimi.tokenizer.decode(output[:-1]))
+    assert "<|tool_calls_section_begin|>" in kept.text
+    assert build_record(kept, keep)["messages"][-1] == record["messages"][-1]
+
+
+def test_a_call_with_no_answer_text_is_no_empty_answer(kimi: RecordContext) -> None:
+    record = build_record(
+        tool_result(kimi, kimi_call(kimi.tokenizer, "{}", "Hm.", THINK_END)), kimi
+    )
+    assert record["messages"][-1]["content"] == ""
+    assert record["messages"][-1]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_arguments_the_template_writes_otherwise_are_drift(kimi: RecordContext) -> None:
+    # SGLang's chat path re-renders parsed arguments as `{"city": "Paris"}`: a turn fed
+    # back would not be the ids the model wrote, which is what drift reports.
+    output = kimi_call(kimi.tokenizer, '{"city":"Paris"}', "Hm.", THINK_END)
+    result = tool_result(kimi, output)
+    record = build_record(result, kimi)
+    assert record["messages"][-1]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'
+    written, rendered = (
+        ids(kimi.tokenizer, '{"city":"Paris"}'),
+        ids(kimi.tokenizer, '{"city": "Paris"}'),
+    )
+    differ = next(i for i, (a, b) in enumerate(zip(written, rendered, strict=False)) if a != b)
+    arguments_at = len(result.prompt_ids) + output.index(KIMI_ARGUMENTS) + 1
+    assert record["drift"] is True and record["drift_at"] == arguments_at + differ
+
+
+def test_calls_that_do_not_parse_or_were_not_offered_stay_text(kimi: RecordContext) -> None:
+    bad = kimi_call(kimi.tokenizer, '{"city": Paris}', "Hm.", THINK_END, "Checking.")
+    unoffered = kimi_call(kimi.tokenizer, '{"city": "Paris"}', "Hm.", THINK_END, "Checking.")
+    for result in (tool_result(kimi, bad), make_result(kimi, unoffered)):
+        assistant = build_record(result, kimi)["messages"][-1]
+        assert "tool_calls" not in assistant
+        assert assistant["content"] == result.text.split("</think>")[1]
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """SmolLM2's tokenizer with a template that writes calls as Qwen's does."""
+    folder: Path = tmp_path_factory.mktemp("hermes-style")
+    smollm2_tokenizer.save_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{%- for c in m['tool_calls'] or [] -%}"
+        "{%- if m['content'] or not loop.first %}{{ '\\n' }}{% endif -%}"
+        "{{ '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+        "{{ c['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}{%- endfor -%}"
+        "{{ '<|im_end|>\\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+    return tokenizer
+
+
+def test_hermes_calls_split_from_the_answer(hermes_tokenizer: Any, smollm2_tokenizer: Any) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    function = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+    expected_call = {"type": "function", "function": function}
+    ctx = make_ctx(hermes_tokenizer, chat_family="chatml")
+    record = build_record(tool_result(ctx, ids(hermes_tokenizer, "Checking.\n" + call, 2)), ctx)
+    assert record["messages"][-1] == {
+        "role": "assistant", "content": "Checking.", "tool_calls": [expected_call],
+    }  # fmt: skip
+    assert record["drift"] is False
+    # SmolLM2's own template has no place for calls: the content keeps their text.
+    smol = make_ctx(smollm2_tokenizer, chat_family="chatml")
+    record = build_record(tool_result(smol, ids(smollm2_tokenizer, "Checking.\n" + call, 2)), smol)
+    assert record["messages"][-1]["content"] == "Checking.\n" + call
+    assert record["messages"][-1]["tool_calls"] == [expected_call]
+    assert record["drift"] is False

@@ -1,4 +1,5 @@
-"""producer.rows: row shapes, history, system precedence, normalization and ids, bad rows."""
+"""producer.rows: row shapes, history, system precedence, text as written and normalized
+ids, bad rows. Tool-use rows: test_tool_rows.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from regen.common.jobspec import PROMPT_TEXT_STRIPPED
 from regen.producer.readers import iter_rows
 from regen.producer.rows import BadRow, Prompt, Reason, prompt_id, to_prompt
 
@@ -76,7 +78,9 @@ def test_alpaca_instruction_input_system() -> None:
 
 @pytest.mark.parametrize("field", ["prompt", "question", "text"])
 def test_bare_prompt_fields(field: str) -> None:
-    assert to_prompt({field: "  why?  "}).messages == [user("why?")]
+    assert to_prompt({field: "  why?  "}).messages == [user("  why?  ")]
+    stripped = to_prompt({field: "  why?  "}, prompt_text=PROMPT_TEXT_STRIPPED)
+    assert stripped.messages == [user("why?")]
 
 
 def test_prompt_as_messages_list() -> None:
@@ -117,7 +121,12 @@ def test_dropped_trailing_assistant_is_not_validated() -> None:
 
 def test_system_prompt_prepended_when_row_has_none() -> None:
     prompt = to_prompt({"prompt": "q"}, system_prompt=" be kind\r\n ")
-    assert prompt.messages == [system("be kind"), user("q")]
+    assert prompt.messages == [system(" be kind\r\n "), user("q")]
+    stripped = to_prompt(
+        {"prompt": "q"}, system_prompt=" be kind\r\n ", prompt_text=PROMPT_TEXT_STRIPPED
+    )
+    assert stripped.messages == [system("be kind"), user("q")]
+    assert prompt.id == stripped.id == prompt_id([system("be kind"), user("q")])
 
 
 def test_rows_own_system_wins_over_system_prompt() -> None:
@@ -152,9 +161,10 @@ def test_normalization_and_same_id_for_same_content() -> None:
     ]
     assert unicodedata.normalize("NFD", text) != text  # the NFD variant really differs
     for row in variants:
-        prompt = to_prompt(row)
-        assert prompt.messages == base.messages
-        assert prompt.id == base.id
+        # A job of the old rule renders the normalized text; every job dedupes on it.
+        stripped = to_prompt(row, prompt_text=PROMPT_TEXT_STRIPPED)
+        assert stripped.messages == base.messages
+        assert to_prompt(row).id == stripped.id == base.id
 
 
 def test_different_content_different_id() -> None:
@@ -212,9 +222,9 @@ def test_source_id(row: dict[str, object], source_id: str | None) -> None:
         ({"prompt": 3}, Reason.WRONG_TYPE, "'prompt'"),
         ({"instruction": ["x"]}, Reason.WRONG_TYPE, "part 0"),
         (
-            {"messages": [user("q"), {"role": "tool", "content": "x"}]},
+            {"messages": [user("q"), {"role": "narrator", "content": "x"}]},
             Reason.UNSUPPORTED_ROLE,
-            "tool",
+            "narrator",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -242,7 +252,7 @@ def test_bad_rows(row: object, reason: str, words: str) -> None:
 def test_bad_rows_do_not_stop_good_rows_around_them(tmp_path: Path) -> None:
     rows = [
         {"prompt": "first"},
-        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "narrator", "content": "x"}]},
         {"prompt": ""},
         [1, 2],
         {"nothing": "here"},
@@ -291,3 +301,32 @@ def test_parquet_rows_become_prompts(tmp_path: Path) -> None:
     prompts = [to_prompt(raw.value) for raw in iter_rows(path)]
     assert [p.messages for p in prompts] == [[user("q")], [user("bare")]]
     assert [p.source_id for p in prompts] == ["1", "2"]
+
+
+# --- text as written, ids normalized ---------------------------------------------------
+
+
+def test_text_is_rendered_as_written() -> None:
+    code = "def square(x):\r\n    return x * x\n"
+    parts = [{"type": "text", "text": code}]
+    row = {"conversations": [{"from": "system", "value": " Answer in Python. "},
+                             {"from": "human", "value": parts}]}  # fmt: skip
+    assert to_prompt(row).messages == [system(" Answer in Python. "), user(code)]
+    assert to_prompt(row, prompt_text=PROMPT_TEXT_STRIPPED).messages == [
+        system("Answer in Python."), user("def square(x):\n    return x * x"),
+    ]  # fmt: skip
+
+
+def test_rows_differing_only_in_outer_whitespace_share_one_id() -> None:
+    plain = to_prompt({"prompt": "Fix this:\nx = 1"})
+    padded = to_prompt({"prompt": "Fix this:\r\nx = 1\n\n  "})
+    assert padded.messages == [user("Fix this:\r\nx = 1\n\n  ")]
+    assert padded.id == plain.id == prompt_id([user("Fix this:\nx = 1")])
+
+
+def test_alpaca_id_normalizes_each_part_as_regen_always_did() -> None:
+    # Pinned: ids of an existing job must not move, so the key joins normalized parts.
+    prompt = to_prompt({"instruction": "Translate. ", "input": " bonjour\n"})
+    assert prompt.messages == [user("Translate. \n\n bonjour\n")]
+    assert prompt.id == prompt_id([user("Translate.\n\nbonjour")])
+    assert to_prompt({"instruction": "Say hi.", "input": "  "}).messages == [user("Say hi.")]

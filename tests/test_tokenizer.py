@@ -37,7 +37,9 @@ from regen.common.tokenizer import (
     tokenizer_fingerprint,
 )
 from regen.common.tokenizer_cache import read_cache
+from regen.producer.rows import to_prompt
 from tests.fixtures.kimi_tokenizer import NAMED_SPECIALS
+from tests.helpers import OPENAI_TOOL_ROW, SHAREGPT_TOOL_ROW
 
 # --- fixtures ---------------------------------------------------------------------------
 # kimi_tokenizer_dir and kimi_tokenizer come from conftest.py.
@@ -293,6 +295,69 @@ def test_kimi_renders_text_parts_like_a_string(kimi_tokenizer: PreTrainedTokeniz
     assert render_prompt_ids(kimi_tokenizer, as_parts, {}) == render_prompt_ids(
         kimi_tokenizer, MESSAGES, {}
     )
+
+
+# Kimi K2's tool format (Moonshot's tool-call guide, its chat_template.jinja): the tools
+# as compact JSON in a tool_declare turn, calls in a section of special tokens, a result
+# under the tool's name (else "tool") starting "## Return of ID".
+KIMI_TOOL_PROMPT = (
+    '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":'
+    '"get_weather","description":"The current weather in a city.","parameters":{"type":'
+    '"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]<|im_end|>'
+    "<|im_user|>user<|im_middle|>Is it sunny in Paris right now?<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|>"
+    '<|tool_call_begin|>call_1<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    "<|tool_calls_section_end|><|im_end|>"
+    '<|im_system|>tool<|im_middle|>## Return of call_1\n{"sky": "sunny", "c": 21}<|im_end|>'
+    "<|im_assistant|>assistant<|im_middle|><think>"
+)
+
+
+def test_kimi_renders_tools_calls_and_results_as_kimi_k2_does(
+    kimi_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    prompt = to_prompt(OPENAI_TOOL_ROW)
+    ids = render_prompt_ids(kimi_tokenizer, prompt.messages, {}, prompt.tools)
+    assert kimi_tokenizer.decode(ids, skip_special_tokens=False) == KIMI_TOOL_PROMPT
+    for marker in (163595, 163597, 163598, 163599, 163596):  # one special token each
+        assert ids.count(marker) == 1
+    # A ShareGPT row: the call id Kimi's parsers expect, the result named by it.
+    sharegpt = to_prompt(SHAREGPT_TOOL_ROW)
+    text = kimi_tokenizer.decode(
+        render_prompt_ids(kimi_tokenizer, sharegpt.messages, {}, sharegpt.tools)
+    )
+    assert (
+        "<|tool_call_begin|>functions.multiply:0<|tool_call_argument_begin|>"
+        '{"a": 12, "b": 7}<|tool_call_end|>'
+    ) in text
+    assert "<|im_system|>tool<|im_middle|>## Return of functions.multiply:0\n84<|im_end|>" in text
+
+
+def test_smollm2_renders_tool_results_and_ignores_tools(
+    smollm2_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """SmolLM2's template writes every message as role + content: a tool result is a
+    `tool` turn, an assistant call an empty turn, and the tools are not rendered."""
+    prompt = to_prompt(OPENAI_TOOL_ROW)
+    ids = render_prompt_ids(smollm2_tokenizer, prompt.messages, {}, prompt.tools)
+    text = smollm2_tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.endswith(
+        "<|im_start|>user\nIs it sunny in Paris right now?<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n"
+        '<|im_start|>tool\n{"sky": "sunny", "c": 21}<|im_end|>\n<|im_start|>assistant\n'
+    )
+    assert ids == render_prompt_ids(smollm2_tokenizer, prompt.messages, {})
+    family = detect_family(smollm2_tokenizer)
+    assert (family.tool_call_format, family.tool_call_open_id) == ("hermes", None)
+    assert family.renders_tool_calls is False
+
+
+def test_kimi_family_knows_its_tool_call_tokens(kimi_tokenizer: PreTrainedTokenizerBase) -> None:
+    family = detect_family(kimi_tokenizer)
+    assert (family.tool_call_format, family.tool_call_open_id) == ("kimi", 163595)
+    assert family.renders_tool_calls is True
+    with pytest.raises(ChatTemplateError, match="tools"):
+        template_kwargs(family, None, {"tools": []})
 
 
 def test_template_failure_is_a_chat_template_error(

@@ -19,15 +19,16 @@ from regen.common.chat_family import render_prompt_ids
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import turn_id
 from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
+from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import load_job_chat
-from regen.consumers.generate.turn_state import Turn, next_turn
+from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn
 from regen.ops.accounting import count_places
 from regen.producer.conversations import split_turns
 from regen.producer.rows import BadRow, to_prompt
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import queued_chunks, write_jsonl
 from tests.test_enqueue import enqueue
-from tests.test_record import make_spec
+from tests.test_record import IM_END, make_spec
 
 SYSTEM = {"role": "system", "content": "You answer briefly."}
 USER_TURNS = [
@@ -193,11 +194,13 @@ def test_the_next_turn_holds_the_targets_answer_as_serving_renders_it(
     prepared = prepare_job(options)
     chat = load_job_chat(prepared.spec)
     first, conversation = split_turns(to_prompt(ROW))
-    prompt = ChunkPrompt(turn_id(conversation.id, 0), chat.render(first.messages),
-                         first.messages, {}, conversation)  # fmt: skip
+    prompt = ChunkPrompt(turn_id(conversation.id, 0), chat.render(first.messages, None),
+                         first.messages, {}, conversation=conversation)  # fmt: skip
     turn = Turn(prompt, conversation, 0)
     # Kimi's thinking prompt opens the span: the output starts inside the reasoning.
-    answer = chat.answer(prompt.prompt_ids, "I weigh the options.</think>Mars, the red one.")
+    text = "I weigh the options.</think>Mars, the red one."
+    output = GenerateResult([], text, {"type": "stop", "matched": IM_END}, 0, 0)
+    answer = chat.answer(prompt.prompt_ids, output, None, {})
     assert answer == {"role": "assistant", "content": "Mars, the red one.",
                       "reasoning_content": "I weigh the options."}  # fmt: skip
 
@@ -205,7 +208,7 @@ def test_the_next_turn_holds_the_targets_answer_as_serving_renders_it(
     assert second is not None and second.index == 1 and second.prompt.prompt_ids == []
     assert second.prompt.id == turn_id(conversation.id, 1)
     assert second.prompt.messages == [SYSTEM, USER_TURNS[0], answer, USER_TURNS[1]]
-    ids = chat.render(second.prompt.messages)
+    ids = chat.render(second.prompt.messages, None)
     assert ids == render_prompt_ids(
         kimi_tokenizer, second.prompt.messages, prepared.spec.chat_template_kwargs
     )
@@ -232,3 +235,51 @@ def test_plan_counts_every_turn(tmp_path: Path) -> None:
         plan, [str(path), "--model", "smollm2", "--json", "--out", str(tmp_path)]
     )
     assert json.loads(last.output)["prompts"] == 2
+
+
+TOOL_ROW = {
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "dataset_call", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "dataset_call", "name": "get_weather",
+         "content": "18 C, sunny"},
+        {"role": "assistant", "content": "18 C and sunny."},
+        {"role": "user", "content": "Thanks!"},
+    ],
+}  # fmt: skip
+
+
+def _tool_turn() -> Turn:
+    first, conversation = split_turns(to_prompt(TOOL_ROW))
+    assert first.tools == TOOL_ROW["tools"] and len(conversation.later) == 2
+    prompt = ChunkPrompt(turn_id(conversation.id, 0), [1], first.messages, {},
+                         tools=first.tools, conversation=conversation)  # fmt: skip
+    return Turn(prompt, conversation, 0)
+
+
+def test_a_turn_ending_in_the_targets_tool_call_gets_the_datasets_result_for_it() -> None:
+    turn = _tool_turn()
+    call = {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}  # fmt: skip
+    second = next_turn(turn, {"role": "assistant", "content": "", "tool_calls": [call]})
+    assert second is not None and second.prompt.tools == TOOL_ROW["tools"]
+    # The observation is the dataset's, answering the target's own call by its id.
+    assert second.prompt.messages[-1] == {
+        "role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather",
+        "content": "18 C, sunny"}  # fmt: skip
+    assert turn.conversation.context_before(1)[0]["tool_call_id"] == "dataset_call"  # not edited
+    third = next_turn(second, {"role": "assistant", "content": "18 C and sunny."})
+    assert third is not None and third.prompt.messages[-1]["content"] == "Thanks!"
+
+
+def test_a_turn_that_does_not_make_the_datasets_tool_call_stops_its_conversation() -> None:
+    turn = _tool_turn()
+    with pytest.raises(ToolCallDiverged, match="1 tool result") as stopped:
+        next_turn(turn, {"role": "assistant", "content": "I cannot check the weather."})
+    assert stopped.value.turn.index == 1  # the turn dead-lettered, the rest blocked behind it
+    other = {"id": "c0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    with pytest.raises(ToolCallDiverged, match="get_time"):
+        next_turn(turn, {"role": "assistant", "content": "", "tool_calls": [other]})

@@ -14,7 +14,9 @@ from typing import Any
 
 from regen.common import chat_family
 from regen.common.jobspec import JobSpec
+from regen.common.output_calls import turn_calls
 from regen.common.tokenizer import load_job_tokenizer
+from regen.consumers.generate.engine import GenerateResult
 
 
 @dataclass(frozen=True)
@@ -25,17 +27,38 @@ class JobChat:
     # Chunks run on threads; one renders at a time (tokenizers are not all thread-safe).
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         """Prompt ids as serving renders them; raises chat_family.ChatTemplateError."""
         with self._lock:
-            return chat_family.render_prompt_ids(self.tokenizer, messages, self.template_kwargs)
+            return chat_family.render_prompt_ids(
+                self.tokenizer, messages, self.template_kwargs, tools
+            )
 
-    def answer(self, prompt_ids: Sequence[int], text: str) -> dict[str, Any]:
-        """A generated turn as the next turn's history holds it, its reasoning split off
-        as the tokenize stage splits it, so the template keeps or drops it as serving
-        would (e.g. Kimi drops earlier turns' thinking unless `preserve_thinking`)."""
+    def answer(
+        self,
+        prompt_ids: Sequence[int],
+        output: GenerateResult,
+        tools: list[dict[str, Any]] | None,
+        sampling: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """A generated turn as the next turn's history holds it, read as the tokenize
+        stage reads it: the tool calls it ended in parsed, its reasoning split off, so
+        the template renders the calls and keeps or drops the reasoning as serving would
+        (e.g. Kimi drops earlier turns' thinking unless `preserve_thinking`)."""
+        with self._lock:
+            text, calls = turn_calls(
+                self.family,
+                self.tokenizer,
+                tools=tools,
+                output_ids=list(output.output_ids),
+                text=output.text,
+                finish_reason=output.finish_reason,
+                skip_special_tokens=sampling.get("skip_special_tokens", True),
+            )
         reasoning, answer = chat_family.split_output(self.family, prompt_ids, text)
-        return chat_family.assistant_message(reasoning, answer)
+        return chat_family.assistant_message(reasoning, answer, calls)
 
 
 def load_job_chat(spec: JobSpec) -> JobChat:

@@ -16,6 +16,7 @@ dead letter is what a requeue resumes from, so no checkpoint outlives its chunk.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -76,24 +77,56 @@ def _answers_key(chunk: Chunk, conversation: Conversation) -> str:
     return keys.conversation_answers(chunk.job, chunk.chunk_id, conversation.id)
 
 
-def following_messages(turn: Turn, answer: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """What follows the target's `answer` to `turn`: the dataset's messages before the
-    next turn, or None where the conversation ends. The one place that decides it (a
-    turn ending in a tool call, answered by the dataset's tool result, decides here)."""
-    if turn.is_last:
-        return None
-    return turn.conversation.context_before(turn.index + 1)
+class ToolCallDiverged(Exception):
+    """The dataset answers a tool call after this turn, but the target's own turn did not
+    make that call: no tool result exists for what it did, so the conversation stops,
+    `turn` (the next one) dead-lettered."""
+
+    def __init__(self, turn: Turn, message: str) -> None:
+        super().__init__(message)
+        self.turn = turn
+
+
+def fit_tool_results(answer: dict[str, Any], following: list[dict[str, Any]]) -> str | None:
+    """Fit the dataset's messages after a turn to the target's `answer` (in place): the
+    tool results they open with answer the target's own calls, in order, and take their
+    ids. The results themselves are the dataset's (an observation cannot be regenerated;
+    the record says so). Returns why they do not fit, or None."""
+    results = list(itertools.takewhile(lambda m: m["role"] == "tool", following))
+    calls = answer.get("tool_calls") or []
+    if len(calls) != len(results):
+        return (
+            f"the dataset has {len(results)} tool result(s) here, the target's turn made "
+            f"{len(calls)} call(s)"
+        )
+    for result, call in zip(results, calls, strict=True):
+        name = call["function"]["name"]
+        if result.get("name", name) != name:
+            return f"the dataset's tool result is {result['name']!r}'s, the target called {name!r}"
+        result["tool_call_id"] = call["id"]
+    return None
 
 
 def next_turn(turn: Turn, answer: dict[str, Any]) -> Turn | None:
-    """The turn after `turn`, its history holding the target's `answer`, not rendered."""
-    following = following_messages(turn, answer)
-    if following is None:
+    """The turn after `turn`, its history holding the target's `answer`, not rendered;
+    None where the conversation ends. Raises ToolCallDiverged."""
+    if turn.is_last:
         return None
     index = turn.index + 1
+    following = [dict(m) for m in turn.conversation.context_before(index)]
+    diverged = fit_tool_results(answer, following)
     messages = [*turn.prompt.messages, answer, *following]
-    prompt = ChunkPrompt(turn_id(turn.conversation.id, index), [], messages, turn.prompt.source)
-    return Turn(prompt, turn.conversation, index)
+    prompt = ChunkPrompt(
+        id=turn_id(turn.conversation.id, index),
+        prompt_ids=[],
+        messages=messages,
+        source=turn.prompt.source,
+        tools=turn.prompt.tools,
+    )
+    following_turn = Turn(prompt, turn.conversation, index)
+    if diverged is not None:
+        raise ToolCallDiverged(following_turn, diverged)
+    return following_turn
 
 
 def resume(r: redis.Redis, chunk: Chunk, prompt: ChunkPrompt, settled: set[str]) -> Turn | None:

@@ -30,6 +30,7 @@ from regen.consumers.generate.settle import (
 )
 from regen.consumers.generate.turn_state import (
     HistoryLost,
+    ToolCallDiverged,
     Turn,
     checkpointed_answer,
     dead_letter_turn,
@@ -67,7 +68,7 @@ class _Conversations:
         and submit it; a turn that cannot be sent is dead-lettered."""
         if not turn.prompt.prompt_ids:
             try:
-                turn = turn.rendered(self.chat.render(turn.prompt.messages))
+                turn = turn.rendered(self.chat.render(turn.prompt.messages, turn.prompt.tools))
             except ChatTemplateError as exc:
                 self.fail(turn, "template_error", str(exc))
                 return
@@ -111,7 +112,7 @@ class _Conversations:
         except PromptRejected as exc:
             self.fail(turn, "rejected_by_server", exc.message, server=exc.server)
             return
-        answer = self.chat.answer(turn.prompt.prompt_ids, output.text)
+        answer = self.chat.answer(turn.prompt.prompt_ids, output, turn.prompt.tools, self.sampling)
         ctx = self.ctx
         result = generated_result(
             self.chunk,
@@ -130,7 +131,11 @@ class _Conversations:
             if settled is None:
                 return
             answer = settled
-        following = next_turn(turn, answer)
+        try:
+            following = next_turn(turn, answer)
+        except ToolCallDiverged as exc:
+            self.fail(exc.turn, "tool_call_diverged", str(exc))
+            return
         if following is not None:
             crashpoints.hit(CRASHPOINT)
             self.send(following)

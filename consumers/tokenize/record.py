@@ -12,9 +12,14 @@ A record (one JSON line in a shard, schema `regen.record/2`):
 - `job`: the job name.
 - `model`: the target model that generated the answer (the job spec's `model`).
 - `messages`: the prompt messages as rendered (system prompt included), then the
-  regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r}`;
-  `reasoning_content` is present only when the output had a think span. Text is the
+  regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r,
+  "tool_calls": calls}`; `reasoning_content` is present only when the output had a think
+  span, `tool_calls` only when the prompt had tools and the output ends in well-formed
+  calls (OpenAI's shape, `arguments` as the model wrote them). Where the chat template
+  renders tool calls, `content` is the text before them; where it does not (SmolLM2's),
+  `content` keeps their text too, so the turn re-renders as generated. Text is the
   server's (special tokens skipped unless the job's sampling says otherwise).
+- `tools`: the OpenAI tools the prompt was rendered with; present only when it had some.
 - `input_ids`: the prompt ids exactly as sent, then the output ids exactly as generated
   (the matched stop token included). Never re-tokenized.
 - `loss_mask`: one entry per input id: 0 for each prompt token, 1 for each generated
@@ -51,6 +56,7 @@ from regen.common.chat_family import (
     think_state,
 )
 from regen.common.jobspec import JobSpec
+from regen.common.output_calls import turn_calls
 from regen.common.results import GeneratedResult
 
 RECORD_SCHEMA = "regen.record/2"
@@ -65,6 +71,8 @@ _V1_FIELDS: dict[str, tuple[type, ...]] = {
 RECORD_FIELDS = {**_V1_FIELDS, "conversation_id": (str, type(None)), "turn": (int, type(None))}
 # Every schema a valid record may have, with its fields: older shards stay readable.
 RECORD_SCHEMAS = {"regen.record/1": _V1_FIELDS, RECORD_SCHEMA: RECORD_FIELDS}
+# Fields a record has only in some cases, with their types.
+OPTIONAL_RECORD_FIELDS: dict[str, tuple[type, ...]] = {"tools": (list,), "tool_results": (str,)}
 FINISH_REASONS = frozenset({"stop", "length"})
 ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
 # SGLang's detokenizer decodes an unfinished UTF-8 sequence as U+FFFD.
@@ -143,13 +151,14 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         reason = Reason.TRUNCATED_DROPPED if ctx.on_truncated == "drop" else Reason.TRUNCATED
         raise CheckFailed(reason, f"cut at {len(result.output_ids)} tokens (finish length)")
     _check_text(result, ctx, finish, matched)
-    reasoning, answer = _split(result, ctx, finish)
+    text, calls = _tool_calls(result, ctx)
+    reasoning, answer = _split(result, ctx, finish, text, has_calls=calls is not None)
 
-    messages = [*result.messages, assistant_message(reasoning, answer)]
+    messages = [*result.messages, assistant_message(reasoning, answer, calls)]
     input_ids = result.prompt_ids + result.output_ids
     n_prompt, n_output = len(result.prompt_ids), len(result.output_ids)
-    drift_at = _drift_at(ctx, messages, input_ids) if ctx.drift_check else None
-    return {
+    drift_at = _drift_at(ctx, messages, result.tools, input_ids) if ctx.drift_check else None
+    record = {
         "schema": RECORD_SCHEMA,
         "id": result.id,
         "job": result.job,
@@ -170,6 +179,12 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "conversation_id": result.conversation_id,
         "turn": result.turn,
     }
+    if result.tools:
+        record["tools"] = result.tools
+    if any(message.get("role") == "tool" for message in result.messages):
+        # A tool's output cannot be regenerated: the prompt holds the dataset's.
+        record["tool_results"] = "dataset"
+    return record
 
 
 def _sampling(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
@@ -247,8 +262,26 @@ def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matche
     )
 
 
-def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[str | None, str]:
-    """(reasoning, answer), after checking the output thinks as the job says it should."""
+def _tool_calls(
+    result: GeneratedResult, ctx: RecordContext
+) -> tuple[str, list[dict[str, Any]] | None]:
+    """(the text to split into reasoning and answer, the calls the output ends in)."""
+    return turn_calls(
+        ctx.family,
+        ctx.tokenizer,
+        tools=result.tools,
+        output_ids=result.output_ids,
+        text=result.text,
+        finish_reason=result.finish_reason,
+        skip_special_tokens=_sampling(result, ctx).get("skip_special_tokens", True),
+    )
+
+
+def _split(
+    result: GeneratedResult, ctx: RecordContext, finish: str, text: str, *, has_calls: bool
+) -> tuple[str | None, str]:
+    """(reasoning, answer) of `text`, after checking the output thinks as the job says it
+    should; a turn that calls tools may have no answer text."""
     family = ctx.family
     opened = family.think_open_id is not None and prompt_opens_think(family, result.prompt_ids)
     thinking = ctx.thinking
@@ -262,7 +295,6 @@ def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[st
         raise CheckFailed(
             Reason.UNEXPECTED_THINKING, "thinking is off but the output has a think tag"
         )
-    text = result.text
     if thinking and finish == "stop":
         state = think_state(family, text, opened_in_prompt=opened)
         if state is ThinkState.NO_SPAN:
@@ -276,13 +308,16 @@ def _split(result: GeneratedResult, ctx: RecordContext, finish: str) -> tuple[st
             )
     reasoning, answer = split_reasoning(family, text, opened_in_prompt=opened)
     # Whitespace alone is no answer to train on either.
-    if finish == "stop" and not answer.strip():
+    if finish == "stop" and not answer.strip() and not has_calls:
         raise CheckFailed(Reason.EMPTY_ANSWER, f"no answer after the split ({len(answer)} chars)")
     return reasoning, answer
 
 
 def _drift_at(
-    ctx: RecordContext, messages: list[dict[str, Any]], input_ids: list[int]
+    ctx: RecordContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    input_ids: list[int],
 ) -> int | None:
     """Where re-rendering the conversation first departs from input_ids, or None.
 
@@ -291,7 +326,9 @@ def _drift_at(
     end of turn at all.
     """
     try:
-        rendered = render_conversation_ids(ctx.tokenizer, messages, ctx.spec.chat_template_kwargs)
+        rendered = render_conversation_ids(
+            ctx.tokenizer, messages, ctx.spec.chat_template_kwargs, tools
+        )
     except ChatTemplateError as exc:
         raise CheckFailed(Reason.RENDER_FAILED, str(exc)) from exc
     n = len(input_ids)

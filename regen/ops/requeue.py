@@ -199,6 +199,7 @@ class Requeuer:
                 prompt_ids=payload["prompt_ids"],
                 messages=payload["messages"],
                 source=letter.source or {},
+                tools=payload.get("tools"),
                 conversation=_conversation(payload),
             )
             return prompt, {**(payload.get("sampling") or {}), **self._overrides}
@@ -208,7 +209,14 @@ class Requeuer:
             turn = None
             if result.conversation_id is not None and result.turn is not None:
                 turn = Conversation(result.conversation_id, start=result.turn)
-            prompt = ChunkPrompt(result.id, result.prompt_ids, result.messages, result.source, turn)
+            prompt = ChunkPrompt(
+                id=result.id,
+                prompt_ids=result.prompt_ids,
+                messages=result.messages,
+                source=result.source,
+                tools=result.tools,
+                conversation=turn,
+            )
             return prompt, {**result.sampling, **self._overrides}
         return self._render_input(letter), dict(self._overrides)
 
@@ -222,9 +230,9 @@ class Requeuer:
                 )
             raise _Refused(f"{letter.reason}: only prompt_too_long input entries can retry")
         spec = dataclasses.replace(self._spec, sampling={**self._spec.sampling, **self._overrides})
-        messages = letter.payload["messages"]
+        messages, tools = letter.payload["messages"], letter.payload.get("tools")
         ids = chat_family.render_prompt_ids(
-            self._load_tokenizer(), messages, spec.chat_template_kwargs
+            self._load_tokenizer(), messages, spec.chat_template_kwargs, tools
         )
         limit = spec.prompt_token_limit()
         if limit is not None and len(ids) > limit:
@@ -233,11 +241,12 @@ class Requeuer:
                 f"max_new_tokens {spec.sampling['max_new_tokens']}"
             )
         return ChunkPrompt(
-            letter.prompt_id or letter.entry_id,
-            ids,
-            messages,
-            letter.source or {},
-            _conversation(letter.payload),
+            id=letter.prompt_id or letter.entry_id,
+            prompt_ids=ids,
+            messages=messages,
+            source=letter.source or {},
+            tools=tools,
+            conversation=_conversation(letter.payload),
         )
 
     def _load_tokenizer(self) -> Any:

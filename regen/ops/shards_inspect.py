@@ -17,6 +17,7 @@ from typing import Any
 
 from regen.consumers.tokenize.record import (
     FINISH_REASONS,
+    OPTIONAL_RECORD_FIELDS,
     RECORD_FIELDS,
     RECORD_SCHEMA,
     RECORD_SCHEMAS,
@@ -215,8 +216,10 @@ def _check_record(record: Any, seen: set[str]) -> Iterator[tuple[str, str]]:
     if not isinstance(record, dict):
         yield "schema", f"not a JSON object: {type(record).__name__}"
         return
-    # An unknown schema is checked against the current fields, then reported.
+    # An unknown schema is checked against the current fields, then reported; a field a
+    # record has only in some cases is checked where it is there.
     fields = RECORD_SCHEMAS.get(str(record.get("schema")), RECORD_FIELDS)
+    fields = {**fields, **{k: v for k, v in OPTIONAL_RECORD_FIELDS.items() if k in record}}
     bad = [
         name
         for name, types in fields.items()
