@@ -283,6 +283,22 @@ def test_split_holds_out_a_fraction_by_id(out_dir: Path, tmp_path: Path) -> None
     assert 2_800 < sum(held_out(f"id{i}", 0.3) for i in range(10_000)) < 3_200
 
 
+def test_split_keeps_the_turns_of_a_conversation_together(tmp_path: Path) -> None:
+    turns = records("t", 60, "job-t", seed=4)
+    for index, record in enumerate(turns):  # 20 conversations of 3 turns
+        record["conversation_id"], record["turn"] = f"conv{index // 3}", index % 3
+    write_shard(tmp_path / "out" / "job-t", 1, turns)
+    out = tmp_path / "sf.jsonl"
+    export(tmp_path / "out", out, ExportOptions(format="specforge", heldout=0.5))
+    sides = {row["id"]: side for side, path in ((0, out), (1, heldout_path(out)))
+             for row in load_specforge(path)}  # fmt: skip
+    by_conversation: dict[str, set[int]] = {}
+    for record in turns:
+        by_conversation.setdefault(record["conversation_id"], set()).add(sides[record["id"]])
+    assert all(len(s) == 1 for s in by_conversation.values()), by_conversation
+    assert {side for (side,) in by_conversation.values()} == {0, 1}
+
+
 def test_jobs_merge_in_the_order_given(out_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "sf.jsonl"
     export(out_dir, out, ExportOptions(format="specforge", jobs=("job-b", "job-a")))

@@ -178,7 +178,10 @@ def _selected(
             fitted = _fit(record, options, summary)
             if fitted is None:
                 continue
-            is_held_out = bool(options.heldout) and held_out(fitted["id"], options.heldout)
+            # By conversation where there is one (`--turns all`): a held-out set that
+            # shares a conversation's earlier turns with training would not be held out.
+            unit = fitted.get("conversation_id") or fitted["id"]
+            is_held_out = bool(options.heldout) and held_out(unit, options.heldout)
             yield f"{fitted['job']}\0{fitted['id']}", is_held_out, shape(fitted)
 
 
