@@ -1,18 +1,12 @@
 """Every default regen uses, documented once (like rq's defaults.py).
 
-CLI options fall back to a `REGEN_*` environment variable, then to the value here.
+CLI options fall back to a `REGEN_*` environment variable, then to the value here; so do
+the settings common.settings reads from the environment.
 """
 
 from __future__ import annotations
 
-import os
-
-
-def env_float(name: str, default: float) -> float:
-    """A number from the environment (tests shorten timeouts this way), else `default`."""
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
-
+from typing import TYPE_CHECKING
 
 # --- where state lives -------------------------------------------------------------
 # State folder for the embedded Redis, caches and logs (env: REGEN_HOME).
@@ -41,7 +35,7 @@ HIGH_WATER_CHUNKS = 256
 VISIBILITY_TIMEOUT_S = 4 * 3600
 # How often kombu sweeps for unacked messages past the visibility timeout
 # (interval x throttle seconds; env: REGEN_RESTORE_INTERVAL, tests make it small).
-UNACKED_RESTORE_INTERVAL_S = 10
+UNACKED_RESTORE_INTERVAL_S = 10.0
 UNACKED_RESTORE_THROTTLE = 10
 # Most chunks a generate worker holds at once (its threads); within that, flow control
 # holds as many as keep its engine full (consumers/generate/flow.py).
@@ -55,17 +49,40 @@ MAX_INFLIGHT_PER_SERVER = 256
 # Batch size of the local transformers engine: its KV cache lives in this process (a
 # batch of 256 x 4K tokens would need ~50 GB on CPU even for SmolLM2).
 LOCAL_BATCH_SIZE = 16
+# Device of the local engine: "auto" is CUDA when there is one, else the CPU.
+DEVICE = "auto"
+# Tensor parallelism of the in-process SGLang engine (GPUs per model copy).
+TP_SIZE = 1
 # Per-request timeout: long, because a 32K-token thinking answer can take many minutes.
 REQUEST_TIMEOUT_S = 3600.0
 
 # --- heartbeats --------------------------------------------------------------------
 # A worker whose last heartbeat is older than this is reported stale (and its temporary
 # shard files may be removed): env REGEN_HEARTBEAT_STALE_S.
-HEARTBEAT_STALE_S = env_float("REGEN_HEARTBEAT_STALE_S", 60.0)
-# Beats come several times per stale period, so a live worker never looks stale.
-HEARTBEAT_INTERVAL_S = min(10.0, HEARTBEAT_STALE_S / 4)
+HEARTBEAT_STALE_AFTER_S = 60.0
+# Longest between two beats; shorter when the stale age is short (a quarter of it).
+HEARTBEAT_INTERVAL_MAX_S = 10.0
 
 # --- shards ------------------------------------------------------------------------
 # A tokenize consumer's claim on a shard's ids lasts this long before another consumer
 # may resolve it (env REGEN_SHARD_LEASE_S); the owner renames only with half of it left.
-SHARD_LEASE_S = env_float("REGEN_SHARD_LEASE_S", 120.0)
+SHARD_CLAIM_LEASE_S = 120.0
+
+# --- transitional ------------------------------------------------------------------
+# consumers/tokenize/commit.py and regen/status_snapshot.py, moving on another branch,
+# still read the effective lease and stale age as SHARD_LEASE_S and HEARTBEAT_STALE_S.
+# Until they read common.settings, these two names give the settings' values; then
+# delete this block.
+if TYPE_CHECKING:
+    SHARD_LEASE_S: float
+    HEARTBEAT_STALE_S: float
+else:
+
+    def __getattr__(name: str) -> float:
+        from regen.common import settings
+
+        if name == "SHARD_LEASE_S":
+            return settings.current().shard_lease_s
+        if name == "HEARTBEAT_STALE_S":
+            return settings.current().heartbeat_stale_s
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ import os
 import click
 
 from regen import cli_dlq, cli_enqueue, cli_plan, cli_redis, cli_shards, cli_status, cli_worker
+from regen.common import settings
 from regen.options import redis_url_option
 
 
@@ -25,6 +26,10 @@ def main(verbose: int) -> None:
     # Model hubs are never reached at run time: every model and tokenizer is a local path.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:  # the command's settings, read now: a bad value stops it before it starts
+        settings.load()
+    except settings.SettingsError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command()

@@ -268,7 +268,7 @@ def test_a_requeue_killed_by_sigkill_loses_and_duplicates_nothing(
 ) -> None:
     ids = {f"p{i:02d}" for i in range(9)}
     plant(r, [generate_letter(i) for i in range(9)])
-    env = {**os.environ, "PYTHONPATH": str(REPO), crashpoints.ENV: CRASHPOINT}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_CRASHPOINT": CRASHPOINT}
     killed = subprocess.run(
         [sys.executable, "-c", "from regen.cli_dlq import dlq_group; dlq_group()",
          "requeue", "--all", "--redis-url", redis_url],

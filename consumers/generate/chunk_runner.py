@@ -25,8 +25,7 @@ import orjson
 import redis
 from redis.typing import EncodableT, FieldT
 
-from regen.common import defaults, dlq, jobspec, keys
-from regen.common.celery_app import visibility_timeout
+from regen.common import defaults, dlq, jobspec, keys, settings
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.connection import bytes_set
 from regen.common.heartbeat import RateMeter
@@ -43,11 +42,11 @@ log = logging.getLogger("regen.generate")
 
 # Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
 # acknowledgement still finds which prompts are done; then it expires (flat memory).
-CHUNK_STATE_TTL_S = 2 * visibility_timeout()
+CHUNK_STATE_TTL_S = 2 * settings.current().visibility_timeout_s
 # A chunk still waiting for an unavailable engine this far into the visibility timeout is
 # given back to the queue (results already handed off stay done), rather than be
 # redelivered to a second worker while this one still holds it.
-GIVE_BACK_AFTER_S = 0.75 * visibility_timeout()
+GIVE_BACK_AFTER_S = 0.75 * settings.current().visibility_timeout_s
 
 
 class ChunkDeferred(Exception):

@@ -18,7 +18,7 @@ from typing import Any, cast
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys
+from regen.common import jobspec, keys, settings
 from regen.common.chat_family import detect_family
 from regen.common.connection import bytes_hash
 from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -29,7 +29,7 @@ log = logging.getLogger("regen.tokenize")
 
 # Pending shards are looked at this often; within a lease, so a dead consumer's claims
 # are resolved soon after they expire.
-RECOVER_INTERVAL_S = min(30.0, defaults.SHARD_LEASE_S / 2)
+RECOVER_INTERVAL_S = min(30.0, settings.current().shard_lease_s / 2)
 DISK_POLL_S = 2.0
 
 
@@ -129,7 +129,7 @@ class TokenizeConsumer:
         owners = set()
         for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
             beat = orjson.loads(raw)
-            if now - beat.get("last_seen", 0) < defaults.HEARTBEAT_STALE_S:
+            if now - beat.get("last_seen", 0) < settings.current().heartbeat_stale_s:
                 owners.add(name.decode())
         return owners
 
