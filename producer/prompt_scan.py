@@ -25,12 +25,9 @@ from typing import Any
 from regen.common.chat_family import render_prompt_ids
 from regen.producer.readers import iter_rows
 from regen.producer.record_size import Example
-from regen.producer.rows import BadRow, Prompt, to_prompt
+from regen.producer.rows import BadRow, Prompt, Reason, to_prompt
 from regen.producer.spec import PreparedJob
 
-# The reasons `producer.enqueue` dead-letters a readable prompt with.
-TEMPLATE_ERROR = "template_error"
-PROMPT_TOO_LONG = "prompt_too_long"
 # Prompts tokenized by default; a 10,000-prompt sample puts the mean within ~1% for
 # ordinary length spreads and takes seconds.
 DEFAULT_SAMPLE = 10_000
@@ -133,11 +130,11 @@ def _tokenize(scan: PromptScan, job: PreparedJob, prompt: Prompt, source: dict[s
     try:
         ids = render_prompt_ids(job.tokenizer, prompt.messages, job.spec.chat_template_kwargs)
     except Exception:  # enqueue dead-letters whatever the template raises, so count it
-        _count(scan.rejected_tokenized, TEMPLATE_ERROR)
+        _count(scan.rejected_tokenized, Reason.TEMPLATE_ERROR)
         return
     limit = job.spec.prompt_token_limit()
     if limit is not None and len(ids) > limit:
-        _count(scan.rejected_tokenized, PROMPT_TOO_LONG)
+        _count(scan.rejected_tokenized, Reason.PROMPT_TOO_LONG)
         return
     scan.accepted_lengths.append(len(ids))
     if len(scan.examples) < EXAMPLES:
@@ -151,7 +148,8 @@ def _tokenize(scan: PromptScan, job: PreparedJob, prompt: Prompt, source: dict[s
 
 
 def _count(counts: dict[str, int], reason: str) -> None:
-    counts[reason] = counts.get(reason, 0) + 1
+    code = str(reason)  # a Reason member is no JSON key: count by its string
+    counts[code] = counts.get(code, 0) + 1
 
 
 def percentile(sorted_values: Sequence[int], q: float) -> int:

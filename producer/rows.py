@@ -33,9 +33,11 @@ from functools import cached_property
 
 import orjson
 
+from regen.common.dlq import ReasonCode, Refused
 
-class Reason:
-    """Every reason the input stage rejects a row for; the codes the input DLQ records."""
+
+class Reason(ReasonCode):
+    """Every reason the input stage rejects a row or prompt for: the input DLQ's codes."""
 
     # Reading the file (producer.readers).
     INVALID_JSON = "invalid_json"
@@ -50,15 +52,13 @@ class Reason:
     EMPTY_CONTENT = "empty_content"
     NO_USER_TURN = "no_user_turn"
     BAD_ORDER = "bad_order"
+    # Rendering the prompt for the job (producer.enqueue; producer.prompt_scan counts).
+    TEMPLATE_ERROR = "template_error"
+    PROMPT_TOO_LONG = "prompt_too_long"
 
 
-class BadRow(Exception):
+class BadRow(Refused):
     """A row that cannot become a prompt: a `Reason` code and a message naming the spot."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
 
 
 @dataclass(frozen=True)

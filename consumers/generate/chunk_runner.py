@@ -36,6 +36,7 @@ from regen.consumers.generate.engine import (
     GenerateResult,
     PromptRejected,
 )
+from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import EngineRunner
 
 log = logging.getLogger("regen.generate")
@@ -134,7 +135,7 @@ def _dead_letter(
     chunk: Chunk,
     prompt: ChunkPrompt,
     *,
-    reason: str,
+    reason: Reason,
     message: str,
     attempts: int,
     history: list[dict[str, object]] | None = None,
@@ -178,7 +179,7 @@ def _dead_letter_all(
             pipe,
             chunk,
             prompt,
-            reason="poison_chunk",
+            reason=Reason.POISON_CHUNK,
             message=message,
             attempts=len(history),
             history=history,
@@ -250,7 +251,7 @@ def _reject(
         pipe,
         chunk,
         prompt,
-        reason="rejected_by_server",
+        reason=Reason.REJECTED_BY_SERVER,
         message=exc.message,
         attempts=attempt + 1,
         server=exc.server,

@@ -13,6 +13,7 @@ from regen.common import dlq
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
 from regen.consumers.generate.chunk_runner import ChunkContext, ChunkDeferred, run_chunk
+from regen.consumers.generate.reasons import Reason
 
 log = logging.getLogger("regen.generate")
 
@@ -35,7 +36,7 @@ def register(app: Celery, ctx: ChunkContext) -> None:
                     entry_id=f"task:{self.request.id}",
                     job=str(job),
                     stage="generate",
-                    reason="malformed_chunk",
+                    reason=Reason.MALFORMED_CHUNK,
                     message=str(exc),
                     payload={"raw": payload},
                     worker=ctx.worker,

@@ -44,6 +44,7 @@ from regen.common.chat_family import (
     split_reasoning,
     think_state,
 )
+from regen.common.dlq import ReasonCode, Refused
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
 
@@ -62,7 +63,7 @@ ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
 _REPLACEMENT = "\ufffd"
 
 
-class Reason:
+class Reason(ReasonCode):
     """Why a result gives no record: the tokenize stage's DLQ reasons, all in one place."""
 
     ABORTED = "aborted"
@@ -79,13 +80,8 @@ class Reason:
     RENDER_FAILED = "render_failed"  # the template cannot re-render its own output
 
 
-class CheckFailed(Exception):
+class CheckFailed(Refused):
     """A result that cannot be a record: `reason` is one of `Reason`'s codes."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
 
 
 @dataclass(frozen=True)
