@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ import redis
 from redis.typing import EncodableT, FieldT
 
 from regen.common import defaults, dlq, jobspec, keys, settings
+from regen.common.backoff import Backoff
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.connection import bytes_set
 from regen.common.heartbeat import RateMeter
@@ -48,6 +48,8 @@ CHUNK_STATE_TTL_S = 2 * settings.current().visibility_timeout_s
 # given back to the queue (results already handed off stay done), rather than be
 # redelivered to a second worker while this one still holds it.
 GIVE_BACK_AFTER_S = 0.75 * settings.current().visibility_timeout_s
+# Waits between tries of an unavailable engine: from ~1 s up to a minute.
+ENGINE_RETRY = Backoff(base_s=1.0, max_s=60.0)
 
 
 class ChunkDeferred(Exception):
@@ -191,7 +193,7 @@ async def _generate_with_retry(
     runner: EngineRunner, request: GenerateRequest, deadline: float
 ) -> GenerateResult:
     """Retry while the engine is unavailable: a dead server is not a bad prompt."""
-    delay = 1.0
+    failures = 0
     while True:
         try:
             return await runner.engine.generate(request, deadline=deadline)
@@ -199,10 +201,13 @@ async def _generate_with_retry(
             if time.monotonic() >= deadline:
                 raise ChunkDeferred(str(exc)) from exc
             log.warning(
-                "engine unavailable for %s (%s); retrying in ~%.0f s", request.rid, exc, delay
+                "engine unavailable for %s (%s); retrying in ~%.0f s",
+                request.rid,
+                exc,
+                ENGINE_RETRY.ceiling(failures),
             )
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 60.0)
+            await asyncio.sleep(ENGINE_RETRY.delay(failures))
+            failures += 1
 
 
 def _hand_off(
