@@ -28,6 +28,18 @@ MAX_NEW_TOKENS = 4096
 # waiting (queued, plus results not yet written to shards, in chunk units).
 HIGH_WATER_CHUNKS = 256
 
+# --- planning (`regen plan`) -------------------------------------------------------
+# Prompts tokenized; a 10,000-prompt sample puts the mean within ~1% for ordinary length
+# spreads and takes seconds.
+PLAN_SAMPLE = 10_000
+PLAN_SEED = 0
+# Output tokens per second per server when none is given: the figure of the 900K-prompt
+# example in the plan issue, a busy SGLang server on a large MoE model. A guess: measure
+# yours (`sglang:gen_throughput` under load) and pass it.
+PLAN_TOKENS_PER_S = 800.0
+# Servers sharing the job.
+PLAN_SERVERS = 1
+
 # --- delivery ----------------------------------------------------------------------
 # kombu restores an unacked message after this many seconds, even while it still runs.
 # It must exceed the longest chunk and be the same in every process (env:
@@ -43,6 +55,15 @@ MAX_CHUNKS_HELD = 64
 # A chunk delivered more times than this (its worker died each time) is dead-lettered.
 MAX_CHUNK_ATTEMPTS = 3
 
+# --- the generate worker -----------------------------------------------------------
+# Engine of `regen worker generate`: SGLang servers over HTTP.
+ENGINE = "sglang"
+# Chunks a generate worker runs at once; 0: as many as keep its engine full (flow
+# control, within MAX_CHUNKS_HELD).
+CONCURRENCY = 0
+# Log level of the worker (Celery's).
+LOGLEVEL = "INFO"
+
 # --- generation --------------------------------------------------------------------
 # Requests kept in flight per SGLang server; peers use 64 to 512.
 MAX_INFLIGHT_PER_SERVER = 256
@@ -55,6 +76,35 @@ DEVICE = "auto"
 TP_SIZE = 1
 # Per-request timeout: long, because a 32K-token thinking answer can take many minutes.
 REQUEST_TIMEOUT_S = 3600.0
+
+# --- the tokenize worker -----------------------------------------------------------
+# A shard is closed and committed at the first of: this many records, this many
+# uncompressed bytes (a few hundred MB suits training loaders' shuffling buffers), this
+# age (it bounds how long results wait unacknowledged), or this long without a result.
+SHARD_MAX_ROWS = 100_000
+SHARD_MAX_BYTES = 256 * 1024**2
+SHARD_MAX_AGE_S = 300.0
+SHARD_IDLE_S = 10.0
+# Answers cut at max_new_tokens: "keep" them, "drop" them (ids noted), or "dlq".
+ON_TRUNCATED = "dlq"
+# Compare each record with a re-render of the chat template.
+DRIFT_CHECK = True
+# The stage pauses (no crash, no partial file) while the shard disk has less free.
+MIN_FREE_BYTES = 2048 * 1024**2
+# Results another consumer has held this long are taken over: longer than any live
+# consumer keeps a shard open.
+CLAIM_IDLE_S = 900.0
+
+# --- the demo (`regen demo`) -------------------------------------------------------
+DEMO_ENGINE = "local"
+DEMO_MODEL = "smollm2"
+DEMO_MAX_NEW_TOKENS = 320
+# SmolLM2's recommended sampling; its generation_config leaves temperature at 1.0, where
+# a 135M model rambles into the token limit.
+DEMO_TEMPERATURE = 0.2
+DEMO_TOP_P = 0.9
+# The demo fails when its job is not done by then.
+DEMO_TIMEOUT_S = 1800.0
 
 # --- heartbeats --------------------------------------------------------------------
 # A worker whose last heartbeat is older than this is reported stale (and its temporary

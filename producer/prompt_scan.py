@@ -22,15 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from regen.common import defaults
 from regen.common.chat_family import render_prompt_ids
 from regen.producer.readers import iter_rows
 from regen.producer.record_size import Example
 from regen.producer.rows import BadRow, Prompt, Reason, to_prompt
 from regen.producer.spec import PreparedJob
 
-# Prompts tokenized by default; a 10,000-prompt sample puts the mean within ~1% for
-# ordinary length spreads and takes seconds.
-DEFAULT_SAMPLE = 10_000
 # Accepted prompts kept, with their ids, to model records on (see producer.record_size),
 # and how much text of the next ones to keep for the synthetic answers.
 EXAMPLES = 32
@@ -81,7 +79,11 @@ class PromptScan:
 
 
 def scan_prompts(
-    paths: Sequence[Path], job: PreparedJob, *, sample: int | None = DEFAULT_SAMPLE, seed: int = 0
+    paths: Sequence[Path],
+    job: PreparedJob,
+    *,
+    sample: int | None = defaults.PLAN_SAMPLE,
+    seed: int = defaults.PLAN_SEED,
 ) -> PromptScan:
     """Read every row of `paths`; tokenize every unique prompt (`sample` None) or a
     random sample of `sample` of them."""

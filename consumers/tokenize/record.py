@@ -58,7 +58,7 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "drift_at": (int, type(None)), "server": (str,), "generated_by": (str,),
 }  # fmt: skip
 FINISH_REASONS = frozenset({"stop", "length"})
-ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
+ON_TRUNCATED = ("keep", "drop", "dlq")
 # SGLang's detokenizer decodes an unfinished UTF-8 sequence as U+FFFD.
 _REPLACEMENT = "\ufffd"
 
