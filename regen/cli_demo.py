@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from regen.common import defaults
-from regen.options import THINKING, TRUST_REMOTE_CODE, options_object, pop_fields, redis_url_option
+from regen.options import (
+    THINKING,
+    TRUST_REMOTE_CODE,
+    max_new_tokens_option,
+    options_object,
+    pop_fields,
+    redis_url_option,
+    tunable,
+)
 
 if TYPE_CHECKING:
     from regen.demo import DemoOptions
@@ -27,48 +35,36 @@ def _demo_options(**values: Any) -> DemoOptions:
 @options_object(
     "options",
     _demo_options,
-    click.option(
+    tunable(
         "--engine",
         type=click.Choice(["local", "sglang"]),
         default=defaults.DEMO_ENGINE,
-        show_default=True,
         help="local: SmolLM2 on this machine; sglang: --server.",
     ),
     click.option("--server", "servers", multiple=True, help="SGLang server URL (--engine sglang)."),
-    click.option(
+    tunable(
         "--model",
         default=defaults.DEMO_MODEL,
-        show_default=True,
         help="The model (its tokenizer renders the prompts).",
     ),
     TRUST_REMOTE_CODE,
     THINKING,
-    click.option(
-        "--max-new-tokens",
-        type=click.IntRange(min=1),
-        default=defaults.DEMO_MAX_NEW_TOKENS,
-        show_default=True,
-    ),
-    click.option(
+    max_new_tokens_option(defaults.DEMO_MAX_NEW_TOKENS),
+    tunable(
         "--temperature",
         type=click.FloatRange(min=0),
         default=defaults.DEMO_TEMPERATURE,
-        show_default=True,
     ),
-    click.option(
-        "--top-p", type=click.FloatRange(0, 1), default=defaults.DEMO_TOP_P, show_default=True
-    ),
+    tunable("--top-p", type=click.FloatRange(0, 1), default=defaults.DEMO_TOP_P),
     click.option(
         "--dataset",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        default=None,
         help="Default: the bundled sample of varied prompts.",
     ),
-    click.option(
+    tunable(
         "--out",
         "out_dir",
         default=defaults.OUT_DIR,
-        show_default=True,
         type=click.Path(file_okay=False, path_type=Path),
     ),
     redis_url_option,

@@ -60,7 +60,7 @@ def _scope(**values: Any) -> Scope:
 scope_options = options_object(
     "scope",
     _scope,
-    click.option("--job", default=None, envvar="REGEN_JOB", help="Only this job."),
+    click.option("--job", envvar="REGEN_JOB", help="Only this job."),
     click.option(
         "--stage",
         "stages",
@@ -100,7 +100,7 @@ def dlq_group() -> None:
 @dlq_group.command("list")
 @scope_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry (no payload).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most N entries.")
+@click.option("--limit", type=click.IntRange(min=1), help="Show at most N entries.")
 def list_entries(
     scope: Scope,
     as_json: bool,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from regen.common import connection, defaults, jobspec
-from regen.options import job_options, prepare_job_or_fail, redis_url_option
+from regen.options import job_options, prepare_job_or_fail, redis_url_option, tunable
 
 if TYPE_CHECKING:
     from regen.producer.spec import JobOptions
@@ -15,23 +15,21 @@ if TYPE_CHECKING:
 # JobOptions' fields that only `enqueue` sets; `plan` counts with the target's alone.
 JOB = click.option("--job", required=True, envvar="REGEN_JOB", help="Job name (created if new).")
 ENQUEUE_ONLY = (
-    click.option(
+    tunable(
         "--chunk-size",
         type=click.IntRange(min=1),
         default=defaults.CHUNK_SIZE,
-        show_default=True,
         help="Prompts per chunk (the unit of work).",
     ),
     click.option(
         "--temperature",
         type=click.FloatRange(min=0),
-        default=None,
         help="Default: the model's generation_config.",
     ),
-    click.option("--top-p", type=click.FloatRange(0, 1), default=None),
-    click.option("--top-k", type=int, default=None),
-    click.option("--min-p", type=click.FloatRange(0, 1), default=None),
-    click.option("--queue", default=None, help="Generate queue (default regen.generate.JOB)."),
+    click.option("--top-p", type=click.FloatRange(0, 1)),
+    click.option("--top-k", type=int),
+    click.option("--min-p", type=click.FloatRange(0, 1)),
+    click.option("--queue", help="Generate queue (default regen.generate.JOB)."),
 )
 
 
@@ -41,14 +39,12 @@ ENQUEUE_ONLY = (
 @click.option(
     "--limit",
     type=click.IntRange(min=0),
-    default=None,
     help="Read only the first N rows of the datasets (in order).",
 )
-@click.option(
+@tunable(
     "--high-water",
     type=click.IntRange(min=1),
     default=defaults.HIGH_WATER_CHUNKS,
-    show_default=True,
     envvar="REGEN_HIGH_WATER",
     help="Block while the job has this many chunks waiting in Redis.",
 )

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 import click
 
 from regen.common import defaults
-from regen.options import job_options, prepare_job_or_fail, print_json_or_text, tokenizer_options
+from regen.options import (
+    job_options,
+    prepare_job_or_fail,
+    print_json_or_text,
+    tokenizer_options,
+    tunable,
+)
 
 if TYPE_CHECKING:
     from regen.producer.spec import JobOptions
@@ -24,39 +30,32 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.
 @click.option(
     "--mean-output-tokens",
     type=click.FloatRange(min=1),
-    default=None,
     help="Expected mean answer length (default: max_new_tokens, an upper bound).",
 )
 @click.option(
     "--output-tokens-per-s",
     type=click.FloatRange(min=0, min_open=True),
-    default=None,
     help="One server's output throughput under load (SGLang's gen_throughput); "
     f"default {defaults.PLAN_TOKENS_PER_S:.0f}, a guess.",
 )
-@click.option(
+@tunable(
     "--servers",
     type=click.IntRange(min=1),
     default=defaults.PLAN_SERVERS,
-    show_default=True,
     help="Servers sharing the job: the generation time is divided among them.",
 )
 @click.option(
     "--sample",
     type=click.IntRange(min=0),
-    default=None,
     help=f"Tokenize a random sample of N unique prompts and scale up (default "
     f"{defaults.PLAN_SAMPLE}; 0 tokenizes every prompt). Counting rows is always exact.",
 )
-@click.option(
-    "--seed", type=int, default=defaults.PLAN_SEED, show_default=True, help="Seed of the sample."
-)
-@click.option(
+@tunable("--seed", type=int, default=defaults.PLAN_SEED, help="Seed of the sample.")
+@tunable(
     "--out",
     type=click.Path(path_type=Path),
     default=defaults.OUT_DIR,
     envvar="REGEN_OUT",
-    show_default=True,
     help="Where the shards will go: its free space is checked.",
 )
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a warning (e.g. no room).")

@@ -15,7 +15,15 @@ import click
 from regen.common import defaults
 from regen.consumers.generate.engines import BUILTIN
 from regen.consumers.tokenize.record import ON_TRUNCATED
-from regen.options import F, csv_list, json_object, options_object, pop_fields, redis_url_option
+from regen.options import (
+    F,
+    csv_list,
+    json_object,
+    options_object,
+    pop_fields,
+    redis_url_option,
+    tunable,
+)
 
 if TYPE_CHECKING:
     from regen.consumers.generate.worker import WorkerOptions
@@ -28,7 +36,6 @@ def metrics_port_option(func: F) -> F:
     return click.option(
         "--metrics-port",
         type=click.IntRange(1, 65535),
-        default=None,
         envvar="REGEN_METRICS_PORT",
         help="Serve Prometheus metrics at :PORT/metrics (env REGEN_METRICS_PORT; default off).",
     )(func)
@@ -55,10 +62,9 @@ def _worker_options(**values: Any) -> WorkerOptions:
 @options_object(
     "options",
     _worker_options,
-    click.option(
+    tunable(
         "--engine",
         default=defaults.ENGINE,
-        show_default=True,
         envvar="REGEN_ENGINE",
         help=f"One of {', '.join(BUILTIN)}, or package.module:factory.",
     ),
@@ -72,25 +78,22 @@ def _worker_options(**values: Any) -> WorkerOptions:
     ),
     click.option(
         "--model",
-        default=None,
         help="Model of an in-process engine, and the jobs to serve (default: the jobs').",
     ),
     click.option(
         "--max-inflight",
         type=click.IntRange(min=1),
-        default=None,
         help=(
             f"Requests in flight per SGLang server or in-process engine (default "
             f"{defaults.MAX_INFLIGHT_PER_SERVER}); the batch size of the local engine "
             f"(default {defaults.LOCAL_BATCH_SIZE})."
         ),
     ),
-    click.option(
+    tunable(
         "--request-timeout",
         "request_timeout_s",
         type=click.FloatRange(min=1),
         default=defaults.REQUEST_TIMEOUT_S,
-        show_default=True,
         help="Seconds per request.",
     ),
     click.option(
@@ -106,27 +109,22 @@ def _worker_options(**values: Any) -> WorkerOptions:
         default=defaults.CONCURRENCY,
         help="Chunks held at once (default: enough to keep the engine full).",
     ),
-    click.option(
+    tunable(
         "--max-attempts",
         type=click.IntRange(min=1),
         default=defaults.MAX_CHUNK_ATTEMPTS,
-        show_default=True,
         help="Deliveries of a chunk before it is dead-lettered.",
     ),
-    click.option(
-        "--device", default=defaults.DEVICE, show_default=True, help="Local engine device."
-    ),
-    click.option(
+    tunable("--device", default=defaults.DEVICE, help="Local engine device."),
+    tunable(
         "--tp-size",
         type=click.IntRange(min=1),
         default=defaults.TP_SIZE,
-        show_default=True,
         help="Tensor parallelism of the in-process SGLang engine.",
     ),
     click.option(
         "--sglang-args",
         callback=json_object,
-        default=None,
         metavar="JSON",
         help=(
             "More sglang.Engine (ServerArgs) arguments for sglang-engine, e.g. "
@@ -138,7 +136,7 @@ def _worker_options(**values: Any) -> WorkerOptions:
         is_flag=True,
         help="Let an in-process engine run the model's own code (Kimi needs it).",
     ),
-    click.option("--loglevel", default=defaults.LOGLEVEL, show_default=True),
+    tunable("--loglevel", default=defaults.LOGLEVEL),
     metrics_port_option,
     redis_url_option,
 )
@@ -163,11 +161,10 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
 @options_object(
     "options",
     _tokenize_options,
-    click.option(
+    tunable(
         "--out",
         "out_dir",
         default=defaults.OUT_DIR,
-        show_default=True,
         envvar="REGEN_OUT",
         type=click.Path(file_okay=False, path_type=Path),
         help="Shards go to OUT/JOB/.",
@@ -175,68 +172,60 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
     click.option(
         "--jobs", multiple=True, callback=csv_list, help="Only these jobs (default: all)."
     ),
-    click.option(
+    tunable(
         "--shard-mb",
         "max_bytes",
         type=click.IntRange(min=1),
         default=defaults.SHARD_MAX_BYTES // MIB,
         callback=_mebibytes,
-        show_default=True,
         help="Roll over to a new shard at this many MB (uncompressed).",
     ),
-    click.option(
+    tunable(
         "--shard-rows",
         "max_rows",
         type=click.IntRange(min=1),
         default=defaults.SHARD_MAX_ROWS,
-        show_default=True,
         help="Roll over at this many records.",
     ),
-    click.option(
+    tunable(
         "--max-shard-age",
         "max_age_s",
         type=click.FloatRange(min=1),
         default=defaults.SHARD_MAX_AGE_S,
-        show_default=True,
         help="Commit an open shard after this many seconds.",
     ),
-    click.option(
+    tunable(
         "--idle-commit",
         "idle_s",
         type=click.FloatRange(min=0.1),
         default=defaults.SHARD_IDLE_S,
-        show_default=True,
         help="Commit an open shard when no result came for this many seconds.",
     ),
-    click.option(
+    tunable(
         "--on-truncated",
         type=click.Choice(ON_TRUNCATED),
         default=defaults.ON_TRUNCATED,
-        show_default=True,
         help="What to do with answers cut at max_new_tokens.",
     ),
-    click.option(
+    tunable(
         "--drift-check/--no-drift-check",
         default=defaults.DRIFT_CHECK,
-        show_default=True,
         help="Compare each record with a re-render of the chat template.",
     ),
-    click.option(
+    tunable(
         "--min-free-mb",
         "min_free_bytes",
         type=click.IntRange(min=0),
         default=defaults.MIN_FREE_BYTES // MIB,
         callback=_mebibytes,
-        show_default=True,
         envvar="REGEN_MIN_FREE_MB",
         help="Pause while the shard disk has less free.",
     ),
-    click.option(
+    tunable(
         "--claim-idle",
         "claim_idle_s",
         type=click.FloatRange(min=1),
         default=defaults.CLAIM_IDLE_S,
-        show_default=True,
         help="Take over results another consumer held this many seconds.",
     ),
 )

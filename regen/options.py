@@ -82,14 +82,18 @@ def csv_list(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
     return [item for raw in value for item in raw.split(",") if item]
 
 
-# --- options of several commands ----------------------------------------------------
+# --- options ------------------------------------------------------------------------
+
+
+def tunable(*decls: str, **attrs: Any) -> Decorator:
+    """An option with a default (from common.defaults) that --help shows."""
+    return click.option(*decls, show_default=True, **attrs)
 
 
 def redis_url_option(func: F) -> F:
     return click.option(
         "--redis-url",
         envvar="REGEN_REDIS_URL",
-        default=None,
         metavar="URL",
         help="redis://[:password@]host:port/db or rediss:// for TLS "
         "(env REGEN_REDIS_URL; default: the embedded Redis).",
@@ -103,7 +107,7 @@ MODEL = click.option(
     envvar="REGEN_MODEL",
     help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
 )
-TOKENIZER = click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
+TOKENIZER = click.option("--tokenizer", help="Load the tokenizer from here instead.")
 TRUST_REMOTE_CODE = click.option(
     "--trust-remote-code",
     is_flag=True,
@@ -112,7 +116,6 @@ TRUST_REMOTE_CODE = click.option(
 CHAT_TEMPLATE_KWARGS = click.option(
     "--chat-template-kwargs",
     callback=json_object,
-    default=None,
     metavar="JSON",
     help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
 )
@@ -123,6 +126,16 @@ THINKING = click.option(
     "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
 )
 
+
+def max_new_tokens_option(default: int) -> Decorator:
+    return tunable(
+        "--max-new-tokens",
+        type=click.IntRange(min=1),
+        default=default,
+        help="Always sent: SGLang's own default is only 128.",
+    )
+
+
 # What decides the prompt ids the server gets: the model, its tokenizer and chat template
 # settings, and the limits on prompts. `enqueue` and `plan` share them, so a plan counts
 # exactly what an enqueue would send.
@@ -130,26 +143,18 @@ TARGET = (
     MODEL,
     TOKENIZER,
     TRUST_REMOTE_CODE,
-    click.option(
-        "--max-new-tokens",
-        type=click.IntRange(min=1),
-        default=defaults.MAX_NEW_TOKENS,
-        show_default=True,
-        help="Always sent: SGLang's own default is only 128.",
-    ),
+    max_new_tokens_option(defaults.MAX_NEW_TOKENS),
     THINKING,
     CHAT_TEMPLATE_KWARGS,
-    click.option("--system-prompt", default=None, help="System message for rows that have none."),
+    click.option("--system-prompt", help="System message for rows that have none."),
     click.option(
         "--max-prompt-tokens",
         type=click.IntRange(min=1),
-        default=None,
         help="Longer prompts go to the input DLQ.",
     ),
     click.option(
         "--context-length",
         type=click.IntRange(min=2),
-        default=None,
         help="The server's context length (default: from the model's config).",
     ),
 )

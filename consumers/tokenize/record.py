@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from regen.common import defaults
 from regen.common.chat_family import (
     ChatFamily,
     ChatTemplateError,
@@ -91,8 +92,9 @@ class RecordContext:
     spec: JobSpec
     tokenizer: Any
     family: ChatFamily
-    on_truncated: str = "dlq"  # a result cut by max_new_tokens: keep, drop or dlq it
-    drift_check: bool = True
+    # A result cut by max_new_tokens: keep, drop or dlq it.
+    on_truncated: str = defaults.ON_TRUNCATED
+    drift_check: bool = defaults.DRIFT_CHECK
 
     def __post_init__(self) -> None:
         if self.on_truncated not in ON_TRUNCATED:
