@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from regen.common import connection, defaults, jobspec
-from regen.options import job_options, prepare_job_or_fail, redis_url_option, tunable
+from regen.options import int_option, job_options, prepare_job_or_fail, redis_url_option
 
 if TYPE_CHECKING:
     from regen.producer.spec import JobOptions
@@ -15,9 +15,8 @@ if TYPE_CHECKING:
 # JobOptions' fields that only `enqueue` sets; `plan` counts with the target's alone.
 JOB = click.option("--job", required=True, envvar="REGEN_JOB", help="Job name (created if new).")
 ENQUEUE_ONLY = (
-    tunable(
+    int_option(
         "--chunk-size",
-        type=click.IntRange(min=1),
         default=defaults.CHUNK_SIZE,
         help="Prompts per chunk (the unit of work).",
     ),
@@ -41,9 +40,8 @@ ENQUEUE_ONLY = (
     type=click.IntRange(min=0),
     help="Read only the first N rows of the datasets (in order).",
 )
-@tunable(
+@int_option(
     "--high-water",
-    type=click.IntRange(min=1),
     default=defaults.HIGH_WATER_CHUNKS,
     envvar="REGEN_HIGH_WATER",
     help="Block while the job has this many chunks waiting in Redis.",

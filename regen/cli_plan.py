@@ -9,6 +9,7 @@ import click
 
 from regen.common import defaults
 from regen.options import (
+    int_option,
     job_options,
     prepare_job_or_fail,
     print_json_or_text,
@@ -38,9 +39,8 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.
     help="One server's output throughput under load (SGLang's gen_throughput); "
     f"default {defaults.PLAN_TOKENS_PER_S:.0f}, a guess.",
 )
-@tunable(
+@int_option(
     "--servers",
-    type=click.IntRange(min=1),
     default=defaults.PLAN_SERVERS,
     help="Servers sharing the job: the generation time is divided among them.",
 )

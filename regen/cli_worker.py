@@ -18,10 +18,12 @@ from regen.consumers.tokenize.record import ON_TRUNCATED
 from regen.options import (
     F,
     csv_list,
+    int_option,
     json_object,
     options_object,
     pop_fields,
     redis_url_option,
+    seconds_option,
     tunable,
 )
 
@@ -89,10 +91,9 @@ def _worker_options(**values: Any) -> WorkerOptions:
             f"(default {defaults.LOCAL_BATCH_SIZE})."
         ),
     ),
-    tunable(
+    seconds_option(
         "--request-timeout",
         "request_timeout_s",
-        type=click.FloatRange(min=1),
         default=defaults.REQUEST_TIMEOUT_S,
         help="Seconds per request.",
     ),
@@ -103,22 +104,21 @@ def _worker_options(**values: Any) -> WorkerOptions:
         help="Serve only these jobs (default: every job, including new ones).",
     ),
     click.option("--queues", multiple=True, callback=csv_list, help="Consume these queues too."),
-    click.option(
+    int_option(
         "--concurrency",
-        type=click.IntRange(min=0),
+        minimum=0,
         default=defaults.CONCURRENCY,
-        help="Chunks held at once (default: enough to keep the engine full).",
+        show_default="enough to keep the engine full",
+        help="Chunks held at once.",
     ),
-    tunable(
+    int_option(
         "--max-attempts",
-        type=click.IntRange(min=1),
         default=defaults.MAX_CHUNK_ATTEMPTS,
         help="Deliveries of a chunk before it is dead-lettered.",
     ),
     tunable("--device", default=defaults.DEVICE, help="Local engine device."),
-    tunable(
+    int_option(
         "--tp-size",
-        type=click.IntRange(min=1),
         default=defaults.TP_SIZE,
         help="Tensor parallelism of the in-process SGLang engine.",
     ),
@@ -172,32 +172,29 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
     click.option(
         "--jobs", multiple=True, callback=csv_list, help="Only these jobs (default: all)."
     ),
-    tunable(
+    int_option(
         "--shard-mb",
         "max_bytes",
-        type=click.IntRange(min=1),
         default=defaults.SHARD_MAX_BYTES // MIB,
         callback=_mebibytes,
         help="Roll over to a new shard at this many MB (uncompressed).",
     ),
-    tunable(
+    int_option(
         "--shard-rows",
         "max_rows",
-        type=click.IntRange(min=1),
         default=defaults.SHARD_MAX_ROWS,
         help="Roll over at this many records.",
     ),
-    tunable(
+    seconds_option(
         "--max-shard-age",
         "max_age_s",
-        type=click.FloatRange(min=1),
         default=defaults.SHARD_MAX_AGE_S,
         help="Commit an open shard after this many seconds.",
     ),
-    tunable(
+    seconds_option(
         "--idle-commit",
         "idle_s",
-        type=click.FloatRange(min=0.1),
+        minimum=0.1,
         default=defaults.SHARD_IDLE_S,
         help="Commit an open shard when no result came for this many seconds.",
     ),
@@ -212,19 +209,18 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
         default=defaults.DRIFT_CHECK,
         help="Compare each record with a re-render of the chat template.",
     ),
-    tunable(
+    int_option(
         "--min-free-mb",
         "min_free_bytes",
-        type=click.IntRange(min=0),
+        minimum=0,
         default=defaults.MIN_FREE_BYTES // MIB,
         callback=_mebibytes,
         envvar="REGEN_MIN_FREE_MB",
         help="Pause while the shard disk has less free.",
     ),
-    tunable(
+    seconds_option(
         "--claim-idle",
         "claim_idle_s",
-        type=click.FloatRange(min=1),
         default=defaults.CLAIM_IDLE_S,
         help="Take over results another consumer held this many seconds.",
     ),

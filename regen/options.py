@@ -85,9 +85,20 @@ def csv_list(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
 # --- options ------------------------------------------------------------------------
 
 
-def tunable(*decls: str, **attrs: Any) -> Decorator:
-    """An option with a default (from common.defaults) that --help shows."""
-    return click.option(*decls, show_default=True, **attrs)
+def tunable(*decls: str, show_default: bool | str = True, **attrs: Any) -> Decorator:
+    """An option with a default (from common.defaults) that --help shows (or, given a
+    string `show_default`, describes)."""
+    return click.option(*decls, show_default=show_default, **attrs)
+
+
+def int_option(*decls: str, minimum: int = 1, **attrs: Any) -> Decorator:
+    """A tunable integer (a count, a size), at least `minimum`."""
+    return tunable(*decls, type=click.IntRange(min=minimum), **attrs)
+
+
+def seconds_option(*decls: str, minimum: float = 1, **attrs: Any) -> Decorator:
+    """A tunable duration in seconds, at least `minimum`."""
+    return tunable(*decls, type=click.FloatRange(min=minimum), **attrs)
 
 
 def redis_url_option(func: F) -> F:
@@ -128,9 +139,8 @@ THINKING = click.option(
 
 
 def max_new_tokens_option(default: int) -> Decorator:
-    return tunable(
+    return int_option(
         "--max-new-tokens",
-        type=click.IntRange(min=1),
         default=default,
         help="Always sent: SGLang's own default is only 128.",
     )
