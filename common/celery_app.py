@@ -2,32 +2,25 @@
 
 All processes on one broker must agree on the visibility timeout (kombu restores an
 unacked message after it, even while the message is still being worked on), so it is
-read from one place: REGEN_VISIBILITY_TIMEOUT, else common.defaults.
+one setting: REGEN_VISIBILITY_TIMEOUT, else common.defaults (common.settings).
 """
 
 from __future__ import annotations
 
-import os
-
 from celery import Celery
 
-from regen.common import defaults
+from regen.common import settings
 from regen.common.connection import is_tls, tls_options
 
 GENERATE_TASK = "regen.generate_chunk"
 
 
-def visibility_timeout() -> int:
-    return int(os.environ.get("REGEN_VISIBILITY_TIMEOUT", defaults.VISIBILITY_TIMEOUT_S))
-
-
 def broker_transport_options() -> dict[str, object]:
-    interval = float(os.environ.get("REGEN_RESTORE_INTERVAL", defaults.UNACKED_RESTORE_INTERVAL_S))
-    throttle = int(os.environ.get("REGEN_RESTORE_THROTTLE", defaults.UNACKED_RESTORE_THROTTLE))
+    configured = settings.current()
     return {
-        "visibility_timeout": visibility_timeout(),
-        "unacked_restore_interval": interval,
-        "unacked_restore_throttle": throttle,
+        "visibility_timeout": configured.visibility_timeout_s,
+        "unacked_restore_interval": configured.restore_interval_s,
+        "unacked_restore_throttle": configured.restore_throttle,
         # Fail fast on a half-open connection instead of hanging a publish forever.
         "socket_timeout": 60,
         "socket_connect_timeout": 10,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 
-ENV_URL = "REGEN_REDIS_URL"
+from regen.common import settings
 
 
 def redact(url: str) -> str:
@@ -77,9 +76,9 @@ def resolve_url(url: str | None) -> str:
     """
     if url:
         return url
-    env = os.environ.get(ENV_URL)
-    if env:
-        return env
+    configured = settings.current().redis_url
+    if configured:
+        return configured
     from regen.common.embedded_redis import EmbeddedRedis
 
     return EmbeddedRedis.from_env().ensure_running()

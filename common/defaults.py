@@ -1,18 +1,12 @@
 """Every default regen uses, documented once (like rq's defaults.py).
 
-CLI options fall back to a `REGEN_*` environment variable, then to the value here.
+CLI options fall back to a `REGEN_*` environment variable, then to the value here; so do
+the settings common.settings reads from the environment.
 """
 
 from __future__ import annotations
 
-import os
-
-
-def env_float(name: str, default: float) -> float:
-    """A number from the environment (tests shorten timeouts this way), else `default`."""
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
-
+from typing import TYPE_CHECKING
 
 # --- where state lives -------------------------------------------------------------
 # State folder for the embedded Redis, caches and logs (env: REGEN_HOME).
@@ -34,6 +28,18 @@ MAX_NEW_TOKENS = 4096
 # waiting (queued, plus results not yet written to shards, in chunk units).
 HIGH_WATER_CHUNKS = 256
 
+# --- planning (`regen plan`) -------------------------------------------------------
+# Prompts tokenized; a 10,000-prompt sample puts the mean within ~1% for ordinary length
+# spreads and takes seconds.
+PLAN_SAMPLE = 10_000
+PLAN_SEED = 0
+# Output tokens per second per server when none is given: the figure of the 900K-prompt
+# example in the plan issue, a busy SGLang server on a large MoE model. A guess: measure
+# yours (`sglang:gen_throughput` under load) and pass it.
+PLAN_TOKENS_PER_S = 800.0
+# Servers sharing the job.
+PLAN_SERVERS = 1
+
 # --- delivery ----------------------------------------------------------------------
 # kombu restores an unacked message after this many seconds, even while it still runs.
 # It must exceed the longest chunk and be the same in every process (env:
@@ -41,7 +47,7 @@ HIGH_WATER_CHUNKS = 256
 VISIBILITY_TIMEOUT_S = 4 * 3600
 # How often kombu sweeps for unacked messages past the visibility timeout
 # (interval x throttle seconds; env: REGEN_RESTORE_INTERVAL, tests make it small).
-UNACKED_RESTORE_INTERVAL_S = 10
+UNACKED_RESTORE_INTERVAL_S = 10.0
 UNACKED_RESTORE_THROTTLE = 10
 # Most chunks a generate worker holds at once (its threads); within that, flow control
 # holds as many as keep its engine full (consumers/generate/flow.py).
@@ -49,23 +55,88 @@ MAX_CHUNKS_HELD = 64
 # A chunk delivered more times than this (its worker died each time) is dead-lettered.
 MAX_CHUNK_ATTEMPTS = 3
 
+# --- the generate worker -----------------------------------------------------------
+# Engine of `regen worker generate`: SGLang servers over HTTP.
+ENGINE = "sglang"
+# Chunks a generate worker runs at once; 0: as many as keep its engine full (flow
+# control, within MAX_CHUNKS_HELD).
+CONCURRENCY = 0
+# Log level of the worker (Celery's).
+LOGLEVEL = "INFO"
+
 # --- generation --------------------------------------------------------------------
 # Requests kept in flight per SGLang server; peers use 64 to 512.
 MAX_INFLIGHT_PER_SERVER = 256
 # Batch size of the local transformers engine: its KV cache lives in this process (a
 # batch of 256 x 4K tokens would need ~50 GB on CPU even for SmolLM2).
 LOCAL_BATCH_SIZE = 16
+# Device of the local engine: "auto" is CUDA when there is one, else the CPU.
+DEVICE = "auto"
+# Tensor parallelism of the in-process SGLang engine (GPUs per model copy).
+TP_SIZE = 1
 # Per-request timeout: long, because a 32K-token thinking answer can take many minutes.
 REQUEST_TIMEOUT_S = 3600.0
+
+# --- the tokenize worker -----------------------------------------------------------
+# A shard is closed and committed at the first of: this many records, this many
+# uncompressed bytes (a few hundred MB suits training loaders' shuffling buffers), this
+# age (it bounds how long results wait unacknowledged), or this long without a result.
+SHARD_MAX_ROWS = 100_000
+SHARD_MAX_BYTES = 256 * 1024**2
+SHARD_MAX_AGE_S = 300.0
+SHARD_IDLE_S = 10.0
+# Answers cut at max_new_tokens: "keep" them, "drop" them (ids noted), or "dlq".
+ON_TRUNCATED = "dlq"
+# Compare each record with a re-render of the chat template.
+DRIFT_CHECK = True
+# The stage pauses (no crash, no partial file) while the shard disk has less free.
+MIN_FREE_BYTES = 2048 * 1024**2
+# Results another consumer has held this long are taken over: longer than any live
+# consumer keeps a shard open.
+CLAIM_IDLE_S = 900.0
+
+# --- status (`regen status`) ------------------------------------------------------
+# Rates and the ETA are measured over about this much recent time (--window).
+STATUS_RATE_WINDOW_S = 600.0
+
+# --- the demo (`regen demo`) -------------------------------------------------------
+DEMO_ENGINE = "local"
+DEMO_MODEL = "smollm2"
+DEMO_MAX_NEW_TOKENS = 320
+# SmolLM2's recommended sampling; its generation_config leaves temperature at 1.0, where
+# a 135M model rambles into the token limit.
+DEMO_TEMPERATURE = 0.2
+DEMO_TOP_P = 0.9
+# The demo fails when its job is not done by then.
+DEMO_TIMEOUT_S = 1800.0
 
 # --- heartbeats --------------------------------------------------------------------
 # A worker whose last heartbeat is older than this is reported stale (and its temporary
 # shard files may be removed): env REGEN_HEARTBEAT_STALE_S.
-HEARTBEAT_STALE_S = env_float("REGEN_HEARTBEAT_STALE_S", 60.0)
-# Beats come several times per stale period, so a live worker never looks stale.
-HEARTBEAT_INTERVAL_S = min(10.0, HEARTBEAT_STALE_S / 4)
+HEARTBEAT_STALE_AFTER_S = 60.0
+# Longest between two beats; shorter when the stale age is short (a quarter of it).
+HEARTBEAT_INTERVAL_MAX_S = 10.0
 
 # --- shards ------------------------------------------------------------------------
 # A tokenize consumer's claim on a shard's ids lasts this long before another consumer
 # may resolve it (env REGEN_SHARD_LEASE_S); the owner renames only with half of it left.
-SHARD_LEASE_S = env_float("REGEN_SHARD_LEASE_S", 120.0)
+SHARD_CLAIM_LEASE_S = 120.0
+
+# --- transitional ------------------------------------------------------------------
+# consumers/tokenize/commit.py and regen/status_snapshot.py, moving on another branch,
+# still read the effective lease and stale age as SHARD_LEASE_S and HEARTBEAT_STALE_S.
+# Until they read common.settings, these two names give the settings' values; then
+# delete this block.
+if TYPE_CHECKING:
+    SHARD_LEASE_S: float
+    HEARTBEAT_STALE_S: float
+else:
+
+    def __getattr__(name: str) -> float:
+        from regen.common import settings
+
+        if name == "SHARD_LEASE_S":
+            return settings.current().shard_lease_s
+        if name == "HEARTBEAT_STALE_S":
+            return settings.current().heartbeat_stale_s
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,10 @@ holds what is needed to requeue it without re-reading the dataset.
 Entry ids: the prompt id, `row:<hash of file and row>` for a dataset row that gave no
 prompt, `task:<task id or hash>` for a message on a generate queue that was no chunk for
 it (consumers/generate/poison.py).
+
+Reason codes: one `ReasonCode` enum per stage, each with its stage's checks:
+producer.rows.Reason (input), consumers.generate.reasons.Reason (generate),
+consumers.tokenize.record.Reason (tokenize).
 """
 
 from __future__ import annotations
@@ -16,12 +20,31 @@ import socket
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 import orjson
 import redis
 
 from regen.common import keys
+
+
+class ReasonCode(str, Enum):
+    """A stage's reasons to dead-letter an item. A member is its string (the code stored
+    in Redis, matched by `regen dlq --reason`) in comparisons, JSON values and f-strings;
+    only a JSON object key must be the plain `str(code)` (orjson refuses a subclass)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Refused(Exception):
+    """An item a stage refuses: `reason`, its code as stored (a plain str), and a message."""
+
+    def __init__(self, reason: ReasonCode, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = str(reason)
+        self.message = message
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from regen.common import defaults
+from regen.common import settings
 
 
 def find_redis_server() -> str:
@@ -73,9 +72,9 @@ class EmbeddedRedis:
 
     @classmethod
     def from_env(cls) -> EmbeddedRedis:
-        home = Path(os.environ.get("REGEN_HOME", defaults.HOME)).absolute()
-        port = int(os.environ.get("REGEN_EMBEDDED_PORT", defaults.EMBEDDED_REDIS_PORT))
-        return cls(home=home, port=port)
+        """The server of this process's settings (REGEN_HOME, REGEN_EMBEDDED_PORT)."""
+        configured = settings.current()
+        return cls(home=configured.home.absolute(), port=configured.embedded_port)
 
     @property
     def data_dir(self) -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, keys
+from regen.common import keys, settings
 
 log = logging.getLogger("regen.heartbeat")
 
@@ -66,13 +66,16 @@ class Heartbeat(threading.Thread):
         r: redis.Redis,
         name: str,
         snapshot: Callable[[], dict[str, Any]],
-        interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+        interval_s: float | None = None,
     ) -> None:
+        """`interval_s`: between beats; None: a quarter of the stale age, at most 10 s."""
         super().__init__(name="regen-heartbeat", daemon=True)
         self._r = r
         self._name = name
         self._snapshot = snapshot
-        self._interval_s = interval_s
+        self._interval_s = (
+            settings.current().heartbeat_interval_s if interval_s is None else interval_s
+        )
         self._stop_event = threading.Event()
         self.started_at = time.time()
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from regen.common import defaults
+from regen.common import settings
 from regen.common.tokenizer_fingerprint import tokenizer_fingerprint
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ CACHE_MARKER = "regen-tokenizer-cache.json"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("REGEN_HOME", defaults.HOME)) / "cache" / "tokenizers"
+    return settings.current().home / "cache" / "tokenizers"
 
 
 def load_cached(

@@ -31,7 +31,7 @@ from regen.common.queues import waiting_chunks
 from regen.producer.conversations import split_turns
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
-from regen.producer.rows import BadRow, Prompt, to_prompt
+from regen.producer.rows import BadRow, Prompt, Reason, to_prompt
 from regen.producer.spec import PreparedJob
 
 BACKPRESSURE_POLL_S = 0.5
@@ -175,7 +175,8 @@ class Enqueuer:
     def _count_rejected(self, reason: str) -> None:
         self.stats.rejected += 1
         by_reason = self.stats.rejected_by_reason
-        by_reason[reason] = by_reason.get(reason, 0) + 1
+        code = str(reason)  # a Reason member is no JSON key: count by its string
+        by_reason[code] = by_reason.get(code, 0) + 1
 
     # --- a chunk -------------------------------------------------------------------
 
@@ -231,12 +232,14 @@ class Enqueuer:
                 self._job.tokenizer, messages, self._spec.chat_template_kwargs, tools
             )
         except Exception as exc:  # a template that raises on this conversation
-            self._dead_letter_prompt(item, "template_error", f"chat template failed: {exc}", [])
+            self._dead_letter_prompt(
+                item, Reason.TEMPLATE_ERROR, f"chat template failed: {exc}", []
+            )
             return None
         if self._token_limit is not None and len(ids) > self._token_limit:
             self._dead_letter_prompt(
                 item,
-                "prompt_too_long",
+                Reason.PROMPT_TOO_LONG,
                 (
                     f"prompt is {len(ids)} tokens; the job allows {self._token_limit} "
                     f"(max_prompt_tokens={self._spec.max_prompt_tokens}, context "
@@ -256,7 +259,7 @@ class Enqueuer:
         )
 
     def _dead_letter_prompt(
-        self, item: _Pending, reason: str, message: str, prompt_ids: list[int]
+        self, item: _Pending, reason: Reason, message: str, prompt_ids: list[int]
     ) -> None:
         """A prompt the job refuses still belongs to the job: its id goes into the job's
         id set together with the DLQ entry, so it is accounted for (and not retried). A

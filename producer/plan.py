@@ -13,16 +13,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from regen.common import defaults
 from regen.common.jobspec import TURNS_ALL
-from regen.producer.prompt_scan import DEFAULT_SAMPLE, PromptScan, percentile, scan_prompts
+from regen.producer.prompt_scan import PromptScan, percentile, scan_prompts
 from regen.producer.record_size import RecordModelError, RecordSizeModel, measure
 from regen.producer.spec import PreparedJob
 
 SECONDS_PER_DAY = 86_400
-# Output tokens per second per server when none is given: the figure of the 900K-prompt
-# example in the plan issue, a busy SGLang server on a large MoE model. A guess: measure
-# yours (`sglang:gen_throughput` under load) and pass it.
-DEFAULT_TOKENS_PER_S = 800.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,10 +215,10 @@ def build_plan(
     *,
     out: Path,
     tokens_per_s: float | None = None,
-    servers: int = 1,
+    servers: int = defaults.PLAN_SERVERS,
     mean_output_tokens: float | None = None,
-    sample: int | None = DEFAULT_SAMPLE,
-    seed: int = 0,
+    sample: int | None = defaults.PLAN_SAMPLE,
+    seed: int = defaults.PLAN_SEED,
 ) -> Plan:
     scan = scan_prompts(paths, job, sample=sample, seed=seed)
     max_new = job.spec.sampling["max_new_tokens"]
@@ -249,7 +246,7 @@ def build_plan(
     est = Estimate(
         prompts=scan.accepted,
         output_tokens_per_prompt=per_prompt,
-        tokens_per_s=tokens_per_s or DEFAULT_TOKENS_PER_S,
+        tokens_per_s=tokens_per_s or defaults.PLAN_TOKENS_PER_S,
         servers=servers,
         prompt_tokens=scan.prompt_tokens,
         bytes_per_record=bytes_per_record,

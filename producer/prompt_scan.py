@@ -26,21 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from regen.common import defaults
 from regen.common.chat_family import render_prompt_ids
 from regen.common.conversation import BLOCKED, Conversation
 from regen.common.jobspec import TURNS_ALL
 from regen.producer.conversations import split_turns
 from regen.producer.readers import iter_rows
 from regen.producer.record_size import Example
-from regen.producer.rows import BadRow, Prompt, to_prompt
+from regen.producer.rows import BadRow, Prompt, Reason, to_prompt
 from regen.producer.spec import PreparedJob
 
-# The reasons `producer.enqueue` dead-letters a readable prompt with.
-TEMPLATE_ERROR = "template_error"
-PROMPT_TOO_LONG = "prompt_too_long"
-# Prompts tokenized by default; a 10,000-prompt sample puts the mean within ~1% for
-# ordinary length spreads and takes seconds.
-DEFAULT_SAMPLE = 10_000
 # Accepted prompts kept, with their ids, to model records on (see producer.record_size),
 # and how much text of the next ones to keep for the synthetic answers.
 EXAMPLES = 32
@@ -91,7 +86,11 @@ class PromptScan:
 
 
 def scan_prompts(
-    paths: Sequence[Path], job: PreparedJob, *, sample: int | None = DEFAULT_SAMPLE, seed: int = 0
+    paths: Sequence[Path],
+    job: PreparedJob,
+    *,
+    sample: int | None = defaults.PLAN_SAMPLE,
+    seed: int = defaults.PLAN_SEED,
 ) -> PromptScan:
     """Read every row of `paths`; tokenize every unique prompt (`sample` None) or a
     random sample of `sample` of them."""
@@ -182,11 +181,11 @@ def _accepted_ids(
     try:
         ids = render_prompt_ids(job.tokenizer, messages, job.spec.chat_template_kwargs, tools)
     except Exception:  # enqueue dead-letters whatever the template raises, so count it
-        _count(scan.rejected_tokenized, TEMPLATE_ERROR)
+        _count(scan.rejected_tokenized, Reason.TEMPLATE_ERROR)
         return None
     limit = job.spec.prompt_token_limit()
     if limit is not None and len(ids) > limit:
-        _count(scan.rejected_tokenized, PROMPT_TOO_LONG)
+        _count(scan.rejected_tokenized, Reason.PROMPT_TOO_LONG)
         return None
     scan.accepted_lengths.append(len(ids))
     return ids
@@ -194,7 +193,8 @@ def _accepted_ids(
 
 def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
     if n:
-        counts[reason] = counts.get(reason, 0) + n
+        code = str(reason)  # a Reason member is no JSON key: count by its string
+        counts[code] = counts.get(code, 0) + n
 
 
 def percentile(sorted_values: Sequence[int], q: float) -> int:

@@ -42,13 +42,15 @@ from typing import Any
 
 import orjson
 
+from regen.common.conversation import BLOCKED
+from regen.common.dlq import ReasonCode, Refused
 from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, PROMPT_TEXT_STRIPPED
 from regen.producer import tool_turns
 from regen.producer.tool_turns import BadToolTurn
 
 
-class Reason:
-    """Every reason the input stage rejects a row for; the codes the input DLQ records."""
+class Reason(ReasonCode):
+    """Every reason the input stage rejects a row or prompt for: the input DLQ's codes."""
 
     # Reading the file (producer.readers).
     INVALID_JSON = "invalid_json"
@@ -68,15 +70,15 @@ class Reason:
     BAD_TOOL_CALL = tool_turns.BAD_TOOL_CALL
     BAD_TOOL_ARGUMENTS = tool_turns.BAD_TOOL_ARGUMENTS
     TOOL_WITHOUT_CALL = tool_turns.TOOL_WITHOUT_CALL
+    # Rendering the prompt for the job (producer.enqueue; producer.prompt_scan counts).
+    TEMPLATE_ERROR = "template_error"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    # A later turn of a conversation (`--turns all`) whose first turn was refused.
+    BLOCKED = BLOCKED
 
 
-class BadRow(Exception):
+class BadRow(Refused):
     """A row that cannot become a prompt: a `Reason` code and a message naming the spot."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def to_prompt(
         _check_order(turns)
         tool_turns.link_results([(t.role, t.fields, t.where) for t in turns])
     except BadToolTurn as exc:
-        raise BadRow(exc.reason, exc.message) from exc
+        raise BadRow(Reason(exc.reason), exc.message) from exc
     if turns[0].role != "system":
         system = _system_field(value)
         if system is None and system_prompt is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,51 +19,58 @@ import orjson
 import redis
 
 from regen.common import connection, dlq, jobspec, keys
-from regen.options import F, redis_url_option
+from regen.options import options_object, redis_url_option
 
 if TYPE_CHECKING:
     from regen.ops.requeue import RequeueReport
 
 
-def selection_options(func: F) -> F:
-    for decorator in reversed(
-        [
-            click.option("--job", default=None, envvar="REGEN_JOB", help="Only this job."),
-            click.option(
-                "--stage",
-                "stages",
-                multiple=True,
-                type=click.Choice(keys.STAGES),
-                help="Only this stage (repeatable).",
-            ),
-            click.option(
-                "--reason", "reasons", multiple=True, help="Only this reason (repeatable)."
-            ),
-            redis_url_option,
-        ]
-    ):
-        func = decorator(func)
-    return func
+@dataclass(frozen=True)
+class Scope:
+    """The entries a command acts on (--job, --stage, --reason) and their Redis."""
+
+    job: str | None
+    stages: tuple[str, ...]
+    reasons: tuple[str, ...]
+    redis_url: str | None
+
+    def connect(self) -> tuple[str, redis.Redis]:
+        url = connection.resolve_url(self.redis_url)
+        return url, connection.client(url)
+
+    def selection(self, r: redis.Redis) -> dlq.Selection:
+        return dlq.Selection(
+            jobs=(self.job,) if self.job else tuple(jobspec.list_jobs(r)),
+            stages=self.stages or keys.STAGES,
+            reasons=frozenset(self.reasons),
+        )
 
 
-def _connect(redis_url: str | None) -> tuple[str, redis.Redis]:
-    url = connection.resolve_url(redis_url)
-    return url, connection.client(url)
-
-
-def _selection(
-    r: redis.Redis, job: str | None, stages: tuple[str, ...], reasons: tuple[str, ...]
-) -> dlq.Selection:
-    if job is not None:
+def _scope(**values: Any) -> Scope:
+    scope = Scope(**values)
+    if scope.job is not None:
         try:
-            keys.check_job_name(job)
+            keys.check_job_name(scope.job)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--job") from exc
-    return dlq.Selection(
-        jobs=(job,) if job else tuple(jobspec.list_jobs(r)),
-        stages=stages or keys.STAGES,
-        reasons=frozenset(reasons),
-    )
+    return scope
+
+
+# Every command takes them, and gets one `scope: Scope`.
+scope_options = options_object(
+    "scope",
+    _scope,
+    click.option("--job", envvar="REGEN_JOB", help="Only this job."),
+    click.option(
+        "--stage",
+        "stages",
+        multiple=True,
+        type=click.Choice(keys.STAGES),
+        help="Only this stage (repeatable).",
+    ),
+    click.option("--reason", "reasons", multiple=True, help="Only this reason (repeatable)."),
+    redis_url_option,
+)
 
 
 def _chosen(
@@ -90,22 +98,19 @@ def dlq_group() -> None:
 
 
 @dlq_group.command("list")
-@selection_options
+@scope_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry (no payload).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most N entries.")
+@click.option("--limit", type=click.IntRange(min=1), help="Show at most N entries.")
 def list_entries(
-    job: str | None,
-    stages: tuple[str, ...],
-    reasons: tuple[str, ...],
-    redis_url: str | None,
+    scope: Scope,
     as_json: bool,
     limit: int | None,
 ) -> None:
     """List entries, oldest first, with a count per reason."""
-    _, r = _connect(redis_url)
+    _, r = scope.connect()
     # Summaries only: payloads (prompt ids, results) can be large.
     rows = sorted(
-        (letter.summary() for letter in dlq.select(r, _selection(r, job, stages, reasons))),
+        (letter.summary() for letter in dlq.select(r, scope.selection(r))),
         key=lambda row: row["time"],
     )
     shown = rows[:limit] if limit else rows
@@ -145,17 +150,14 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 @dlq_group.command()
 @click.argument("entry_id", metavar="ID")
-@selection_options
+@scope_options
 def show(
     entry_id: str,
-    job: str | None,
-    stages: tuple[str, ...],
-    reasons: tuple[str, ...],
-    redis_url: str | None,
+    scope: Scope,
 ) -> None:
     """Print an entry in full (pretty JSON; token id lists on one line)."""
-    _, r = _connect(redis_url)
-    letters = dlq.find(r, entry_id, _selection(r, job, stages, reasons))
+    _, r = scope.connect()
+    letters = dlq.find(r, entry_id, scope.selection(r))
     if not letters:
         raise click.ClickException(f"no dead letter {entry_id!r}")
     if len(letters) > 1:
@@ -193,7 +195,7 @@ def _parse_sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
 @dlq_group.command()
 @click.argument("ids", nargs=-1, metavar="[ID]...")
 @click.option("--all", "all_", is_flag=True, help="Every entry of the selection.")
-@selection_options
+@scope_options
 @click.option(
     "--set",
     "overrides",
@@ -212,10 +214,7 @@ def _parse_sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
 def requeue(
     ids: tuple[str, ...],
     all_: bool,
-    job: str | None,
-    stages: tuple[str, ...],
-    reasons: tuple[str, ...],
-    redis_url: str | None,
+    scope: Scope,
     overrides: dict[str, Any],
     regenerate: bool,
 ) -> None:
@@ -231,8 +230,8 @@ def requeue(
     from regen.common.celery_app import make_app
     from regen.ops.requeue import RequeueError, Requeuer, RequeueReport
 
-    url, r = _connect(redis_url)
-    selection = _selection(r, job, stages, reasons)
+    url, r = scope.connect()
+    selection = scope.selection(r)
     letters, missing = _chosen(r, ids, all_, selection)
     app = make_app(url)
     requeuers: dict[str, Requeuer] = {}
@@ -274,20 +273,17 @@ def _print_report(report: RequeueReport, missing: list[str]) -> None:
 @dlq_group.command()
 @click.argument("ids", nargs=-1, metavar="[ID]...")
 @click.option("--all", "all_", is_flag=True, help="Every entry of the selection.")
-@selection_options
+@scope_options
 @click.option("--yes", is_flag=True, help="Really delete (without it, only count).")
 def purge(
     ids: tuple[str, ...],
     all_: bool,
-    job: str | None,
-    stages: tuple[str, ...],
-    reasons: tuple[str, ...],
-    redis_url: str | None,
+    scope: Scope,
     yes: bool,
 ) -> None:
     """Delete entries for good (counted in the job's `dlq_purged` counter)."""
-    _, r = _connect(redis_url)
-    letters, missing = _chosen(r, ids, all_, _selection(r, job, stages, reasons))
+    _, r = scope.connect()
+    letters, missing = _chosen(r, ids, all_, scope.selection(r))
     for entry_id in missing:
         click.echo(f"not in the DLQ: {entry_id}", err=True)
     if not yes:
@@ -300,19 +296,16 @@ def purge(
 
 @dlq_group.command()
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
-@selection_options
+@scope_options
 def export(
     file: Path,
-    job: str | None,
-    stages: tuple[str, ...],
-    reasons: tuple[str, ...],
-    redis_url: str | None,
+    scope: Scope,
 ) -> None:
     """Write the entries, in full, as JSONL to FILE ('-' for stdout)."""
-    _, r = _connect(redis_url)
+    _, r = scope.connect()
     rows = 0
     with click.open_file(str(file), "wb", atomic=str(file) != "-") as out:
-        for letter in dlq.select(r, _selection(r, job, stages, reasons)):
+        for letter in dlq.select(r, scope.selection(r)):
             out.write(letter.to_json() + b"\n")
             rows += 1
     click.echo(f"wrote {rows:,} entries to {file}", err=True)

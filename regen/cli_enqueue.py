@@ -3,68 +3,54 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import click
 
 from regen.common import connection, defaults, jobspec
-from regen.options import prepare_job_or_fail, redis_url_option, target_options
+from regen.options import int_option, job_options, prepare_job_or_fail, redis_url_option
+
+if TYPE_CHECKING:
+    from regen.producer.spec import JobOptions
+
+# JobOptions' fields that only `enqueue` sets; `plan` counts with the target's alone.
+JOB = click.option("--job", required=True, envvar="REGEN_JOB", help="Job name (created if new).")
+ENQUEUE_ONLY = (
+    int_option(
+        "--chunk-size",
+        default=defaults.CHUNK_SIZE,
+        help="Prompts per chunk (the unit of work).",
+    ),
+    click.option(
+        "--temperature",
+        type=click.FloatRange(min=0),
+        help="Default: the model's generation_config.",
+    ),
+    click.option("--top-p", type=click.FloatRange(0, 1)),
+    click.option("--top-k", type=int),
+    click.option("--min-p", type=click.FloatRange(0, 1)),
+    click.option("--queue", help="Generate queue (default regen.generate.JOB)."),
+)
 
 
 @click.command()
 @click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("--job", required=True, envvar="REGEN_JOB", help="Job name (created if new).")
-@target_options
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=defaults.CHUNK_SIZE,
-    show_default=True,
-    help="Prompts per chunk (the unit of work).",
-)
-@click.option(
-    "--temperature",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Default: the model's generation_config.",
-)
-@click.option("--top-p", type=click.FloatRange(0, 1), default=None)
-@click.option("--top-k", type=int, default=None)
-@click.option("--min-p", type=click.FloatRange(0, 1), default=None)
-@click.option("--queue", default=None, help="Generate queue (default regen.generate.JOB).")
+@job_options(JOB, *ENQUEUE_ONLY)
 @click.option(
     "--limit",
     type=click.IntRange(min=0),
-    default=None,
     help="Read only the first N rows of the datasets (in order).",
 )
-@click.option(
+@int_option(
     "--high-water",
-    type=click.IntRange(min=1),
     default=defaults.HIGH_WATER_CHUNKS,
-    show_default=True,
     envvar="REGEN_HIGH_WATER",
     help="Block while the job has this many chunks waiting in Redis.",
 )
 @redis_url_option
 def enqueue(
     datasets: tuple[str, ...],
-    job: str,
-    model: str,
-    tokenizer: str | None,
-    trust_remote_code: bool,
-    chunk_size: int,
-    max_new_tokens: int,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    min_p: float | None,
-    thinking: bool | None,
-    chat_template_kwargs: dict,
-    system_prompt: str | None,
-    max_prompt_tokens: int | None,
-    context_length: int | None,
-    turns: str,
-    queue: str | None,
+    options: JobOptions,
     limit: int | None,
     high_water: int,
     redis_url: str | None,
@@ -78,27 +64,7 @@ def enqueue(
     from regen.common.celery_app import make_app
     from regen.producer.enqueue import Enqueuer, expand_datasets
     from regen.producer.progress import ProgressDisplay, summary
-    from regen.producer.spec import JobOptions
 
-    options = JobOptions(
-        job=job,
-        model=model,
-        tokenizer=tokenizer,
-        trust_remote_code=trust_remote_code,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        thinking=thinking,
-        chat_template_kwargs=chat_template_kwargs,
-        system_prompt=system_prompt,
-        chunk_size=chunk_size,
-        max_prompt_tokens=max_prompt_tokens,
-        context_length=context_length,
-        turns=turns,
-        queue=queue,
-    )
     prepared = prepare_job_or_fail(options)
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
@@ -108,11 +74,12 @@ def enqueue(
     except jobspec.JobSpecMismatch as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(
-        f"job {job}: model {model}, queue {prepared.spec.queue}, Redis {connection.redact(url)}",
+        f"job {options.job}: model {options.model}, queue {prepared.spec.queue}, "
+        f"Redis {connection.redact(url)}",
         err=True,
     )
     enqueuer_app = make_app(url)
     with ProgressDisplay() as progress:
         enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water, on_progress=progress)
         stats = enqueuer.run(expand_datasets(list(datasets)), limit=limit)
-    click.echo(summary(stats, job))
+    click.echo(summary(stats, options.job))

@@ -3,74 +3,69 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import orjson
 
 from regen.common import defaults
-from regen.options import prepare_job_or_fail, target_options, tokenizer_options
+from regen.options import (
+    int_option,
+    job_options,
+    prepare_job_or_fail,
+    print_json_or_text,
+    tokenizer_options,
+    tunable,
+)
+
+if TYPE_CHECKING:
+    from regen.producer.spec import JobOptions
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 @click.command()
 @click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True))
-@target_options
+@job_options(
+    click.option("--job", default="plan", envvar="REGEN_JOB", help="Job name put in the records.")
+)
 @click.option(
     "--mean-output-tokens",
     type=click.FloatRange(min=1),
-    default=None,
     help="Expected mean answer length (default: max_new_tokens, an upper bound).",
 )
 @click.option(
     "--output-tokens-per-s",
     type=click.FloatRange(min=0, min_open=True),
-    default=None,
     help="One server's output throughput under load (SGLang's gen_throughput); "
-    "default 800, a guess.",
+    f"default {defaults.PLAN_TOKENS_PER_S:.0f}, a guess.",
 )
-@click.option(
+@int_option(
     "--servers",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
+    default=defaults.PLAN_SERVERS,
     help="Servers sharing the job: the generation time is divided among them.",
 )
-@click.option("--job", default="plan", envvar="REGEN_JOB", help="Job name put in the records.")
 @click.option(
     "--sample",
     type=click.IntRange(min=0),
-    default=None,
-    help="Tokenize a random sample of N unique prompts and scale up (default 10000; "
-    "0 tokenizes every prompt). Counting rows is always exact.",
+    help=f"Tokenize a random sample of N unique prompts and scale up (default "
+    f"{defaults.PLAN_SAMPLE}; 0 tokenizes every prompt). Counting rows is always exact.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample.")
-@click.option(
+@tunable("--seed", type=int, default=defaults.PLAN_SEED, help="Seed of the sample.")
+@tunable(
     "--out",
     type=click.Path(path_type=Path),
     default=defaults.OUT_DIR,
     envvar="REGEN_OUT",
-    show_default=True,
     help="Where the shards will go: its free space is checked.",
 )
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a warning (e.g. no room).")
 @_json_option
 def plan(
     datasets: tuple[str, ...],
-    model: str,
-    tokenizer: str | None,
-    trust_remote_code: bool,
-    max_new_tokens: int,
+    options: JobOptions,
     mean_output_tokens: float | None,
     output_tokens_per_s: float | None,
     servers: int,
-    thinking: bool | None,
-    chat_template_kwargs: dict,
-    system_prompt: str | None,
-    max_prompt_tokens: int | None,
-    context_length: int | None,
-    turns: str,
-    job: str,
     sample: int | None,
     seed: int,
     out: Path,
@@ -85,22 +80,7 @@ def plan(
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.producer import plan as planning
     from regen.producer.enqueue import expand_datasets
-    from regen.producer.prompt_scan import DEFAULT_SAMPLE
-    from regen.producer.spec import JobOptions
 
-    options = JobOptions(
-        job=job,
-        model=model,
-        tokenizer=tokenizer,
-        trust_remote_code=trust_remote_code,
-        max_new_tokens=max_new_tokens,
-        thinking=thinking,
-        chat_template_kwargs=chat_template_kwargs,
-        system_prompt=system_prompt,
-        max_prompt_tokens=max_prompt_tokens,
-        context_length=context_length,
-        turns=turns,
-    )
     prepared = prepare_job_or_fail(options)
     result = planning.build_plan(
         expand_datasets(list(datasets)),
@@ -108,14 +88,11 @@ def plan(
         tokens_per_s=output_tokens_per_s,
         servers=servers,
         mean_output_tokens=mean_output_tokens,
-        sample=DEFAULT_SAMPLE if sample is None else (sample or None),
+        sample=defaults.PLAN_SAMPLE if sample is None else (sample or None),
         seed=seed,
         out=out,
     )
-    if as_json:
-        click.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
-    else:
-        click.echo(result.to_text())
+    print_json_or_text(result, as_json)
     if strict and result.warnings:
         raise SystemExit(1)
 
@@ -140,9 +117,6 @@ def preflight(
         trust_remote_code=trust_remote_code,
         chat_template_kwargs=chat_template_kwargs,
     )
-    if as_json:
-        click.echo(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2).decode())
-    else:
-        click.echo(report.to_text())
+    print_json_or_text(report, as_json)
     if not report.ok:
         raise SystemExit(1)

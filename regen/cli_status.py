@@ -10,8 +10,7 @@ import click
 import orjson
 import redis
 
-from regen.common import connection, jobspec
-from regen.ops.status_snapshot import RATE_WINDOW_S
+from regen.common import connection, defaults, jobspec
 from regen.options import redis_url_option
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ def _client(redis_url: str | None, job: str | None) -> redis.Redis:
 @click.option(
     "--window",
     type=click.FloatRange(min=10),
-    default=RATE_WINDOW_S,
+    default=defaults.STATUS_RATE_WINDOW_S,
     show_default=True,
     help="Seconds of recent progress that rates and the ETA are measured over.",
 )

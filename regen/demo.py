@@ -13,15 +13,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console
 from rich.live import Live
 
-from regen.common import connection, jobspec
+from regen.common import connection, defaults, jobspec
 from regen.common.celery_app import make_app
 from regen.demo_report import show_record, show_summary
 from regen.ops.accounting import count_places
@@ -33,24 +34,30 @@ from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.
 POLL_S = 1.0
+# Fixed for the demo's small job (the bundled sample is under 40 prompts): small chunks,
+# a small enqueue window, shards committed soon after the last result, and little free
+# disk asked for.
+CHUNK_SIZE = 8
+HIGH_WATER_CHUNKS = 64
+IDLE_COMMIT_S = 2
+MIN_FREE_MB = 64
 
 
 @dataclass
 class DemoOptions:
-    engine: str = "local"
-    servers: list[str] = field(default_factory=list)
-    model: str = "smollm2"
-    trust_remote_code: bool = False
-    thinking: bool | None = None
-    max_new_tokens: int = 320
-    # SmolLM2's recommended sampling; its generation_config leaves temperature at 1.0,
-    # where a 135M model rambles into the token limit.
-    temperature: float = 0.2
-    top_p: float = 0.9
+    # The demo's job: its name, target model and sampling (see demo_job).
+    job: JobOptions
+    engine: str = defaults.DEMO_ENGINE
+    servers: tuple[str, ...] = ()
     dataset: Path | None = None
-    out_dir: Path = Path("regen-out")
+    out_dir: Path = Path(defaults.OUT_DIR)
     redis_url: str | None = None
-    timeout_s: float = 1800.0
+    timeout_s: float = defaults.DEMO_TIMEOUT_S
+
+
+def demo_job(**target: Any) -> JobOptions:
+    """A new job, named after the time, of `target` (JobOptions' model and sampling)."""
+    return JobOptions(job=time.strftime("demo-%Y%m%d-%H%M%S"), chunk_size=CHUNK_SIZE, **target)
 
 
 def sample_dataset() -> Path:
@@ -98,35 +105,27 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
     console = console or Console()
     url = connection.resolve_url(options.redis_url)
     r = connection.client(url)
-    job = time.strftime("demo-%Y%m%d-%H%M%S")
+    job, model = options.job.job, options.job.model
     dataset = options.dataset or sample_dataset()
     console.print(
-        f"[bold]regen demo[/]: job {job}, model {options.model}, engine "
+        f"[bold]regen demo[/]: job {job}, model {model}, engine "
         f"{options.engine}, Redis {connection.redact(url)}"
     )
 
-    prepared = prepare_job(
-        JobOptions(
-            job=job,
-            model=options.model,
-            trust_remote_code=options.trust_remote_code,
-            thinking=options.thinking,
-            max_new_tokens=options.max_new_tokens,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            chunk_size=8,
-        )
-    )
+    prepared = prepare_job(options.job)
     spec = jobspec.save(r, prepared.spec)
     with ProgressDisplay() as show:
-        stats = Enqueuer(r, make_app(url), prepared, high_water=64, on_progress=show).run([dataset])
+        enqueuer = Enqueuer(
+            r, make_app(url), prepared, high_water=HIGH_WATER_CHUNKS, on_progress=show
+        )
+        stats = enqueuer.run([dataset])
     console.print(summary(stats, job))
 
     workers = Workers(options.out_dir / "logs" / job)
     common_args = ["--redis-url", url, "--jobs", job]
     engine_args = ["--engine", options.engine]
     if options.engine == "local":
-        engine_args += ["--model", options.model]
+        engine_args += ["--model", model]
     for server in options.servers:
         engine_args += ["--server", server]
     started = time.monotonic()
@@ -140,9 +139,9 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
                 "--out",
                 str(options.out_dir),
                 "--idle-commit",
-                "2",
+                str(IDLE_COMMIT_S),
                 "--min-free-mb",
-                "64",
+                str(MIN_FREE_MB),
                 *common_args,
             ],
         )

@@ -1,9 +1,18 @@
-"""Options shared by several commands."""
+"""How commands get their options: as objects, built once, from options declared once.
+
+`options_object(name, build, *options)` adds click options to a command and hands it, in
+their place, one argument `name` built from their values by `build`: `regen enqueue`
+receives one `JobOptions`, `regen worker generate` one `WorkerOptions` (as rq's commands
+receive one config), instead of twenty parameters to copy into an object. Defaults come
+from common.defaults.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 import orjson
@@ -11,18 +20,49 @@ import orjson
 from regen.common import defaults
 from regen.common.jobspec import TURN_MODES, TURNS_LAST
 
+if TYPE_CHECKING:
+    from regen.producer.spec import JobOptions, PreparedJob
+
 F = TypeVar("F", bound=Callable[..., Any])
+# A click.option(...), or any decorator of a command function.
+Decorator = Callable[[Any], Any]
 
 
-def redis_url_option(func: F) -> F:
-    return click.option(
-        "--redis-url",
-        envvar="REGEN_REDIS_URL",
-        default=None,
-        metavar="URL",
-        help="redis://[:password@]host:port/db or rediss:// for TLS "
-        "(env REGEN_REDIS_URL; default: the embedded Redis).",
-    )(func)
+def apply(func: F, decorators: Sequence[Decorator]) -> F:
+    """`func` under `decorators`, the first listed outermost (shown first in --help)."""
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def options_object(name: str, build: Callable[..., Any], *options: Decorator) -> Callable[[F], F]:
+    """Add `options` to a command, which gets `name=build(**their values)` instead; a
+    ValueError from `build` is a command-line error."""
+    probe = click.command()(apply(lambda **_: None, options))  # the options' names
+    names = [param.name for param in probe.params if param.name]
+
+    def decorator(command: F) -> F:
+        @functools.wraps(command)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            values = {key: kwargs.pop(key) for key in names}
+            try:
+                built = build(**values)
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from exc
+            return command(*args, **kwargs, **{name: built})
+
+        return apply(cast("F", run), options)
+
+    return decorator
+
+
+def pop_fields(values: dict[str, Any], cls: type) -> dict[str, Any]:
+    """Take out of `values` those that are fields of the dataclass `cls`."""
+    names = {field.name for field in fields(cls)}
+    return {key: values.pop(key) for key in list(values) if key in names}
+
+
+# --- callbacks --------------------------------------------------------------------
 
 
 def json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any]:
@@ -38,7 +78,126 @@ def json_object(ctx: click.Context, param: click.Parameter, value: str | None) -
     return parsed
 
 
-def prepare_job_or_fail(options: Any) -> Any:
+def csv_list(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    """Click callback: a repeatable option whose values may also be comma-separated."""
+    return [item for raw in value for item in raw.split(",") if item]
+
+
+# --- options ------------------------------------------------------------------------
+
+
+def tunable(*decls: str, show_default: bool | str = True, **attrs: Any) -> Decorator:
+    """An option with a default (from common.defaults) that --help shows (or, given a
+    string `show_default`, describes)."""
+    return click.option(*decls, show_default=show_default, **attrs)
+
+
+def int_option(*decls: str, minimum: int = 1, **attrs: Any) -> Decorator:
+    """A tunable integer (a count, a size), at least `minimum`."""
+    return tunable(*decls, type=click.IntRange(min=minimum), **attrs)
+
+
+def seconds_option(*decls: str, minimum: float = 1, **attrs: Any) -> Decorator:
+    """A tunable duration in seconds, at least `minimum`."""
+    return tunable(*decls, type=click.FloatRange(min=minimum), **attrs)
+
+
+def redis_url_option(func: F) -> F:
+    return click.option(
+        "--redis-url",
+        envvar="REGEN_REDIS_URL",
+        metavar="URL",
+        help="redis://[:password@]host:port/db or rediss:// for TLS "
+        "(env REGEN_REDIS_URL; default: the embedded Redis).",
+    )(func)
+
+
+# What loads the target's tokenizer and shapes its chat template.
+MODEL = click.option(
+    "--model",
+    required=True,
+    envvar="REGEN_MODEL",
+    help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
+)
+TOKENIZER = click.option("--tokenizer", help="Load the tokenizer from here instead.")
+TRUST_REMOTE_CODE = click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
+)
+CHAT_TEMPLATE_KWARGS = click.option(
+    "--chat-template-kwargs",
+    callback=json_object,
+    metavar="JSON",
+    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
+)
+THINKING = click.option(
+    "--thinking/--no-thinking",
+    default=None,
+    help="Thinking mode, mapped to the chat template's switch "
+    "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
+)
+
+
+def max_new_tokens_option(default: int) -> Decorator:
+    return int_option(
+        "--max-new-tokens",
+        default=default,
+        help="Always sent: SGLang's own default is only 128.",
+    )
+
+
+# What decides the prompt ids the server gets: the model, its tokenizer and chat template
+# settings, and the limits on prompts. `enqueue` and `plan` share them, so a plan counts
+# exactly what an enqueue would send.
+TARGET = (
+    MODEL,
+    TOKENIZER,
+    TRUST_REMOTE_CODE,
+    max_new_tokens_option(defaults.MAX_NEW_TOKENS),
+    THINKING,
+    CHAT_TEMPLATE_KWARGS,
+    click.option("--system-prompt", help="System message for rows that have none."),
+    click.option(
+        "--max-prompt-tokens",
+        type=click.IntRange(min=1),
+        help="Longer prompts go to the input DLQ.",
+    ),
+    click.option(
+        "--context-length",
+        type=click.IntRange(min=2),
+        help="The server's context length (default: from the model's config).",
+    ),
+    click.option(
+        "--turns",
+        type=click.Choice(TURN_MODES),
+        default=TURNS_LAST,
+        show_default=True,
+        help="Regenerate the last assistant turn, on the dataset's history, or every "
+        "turn in order, each on the target's own earlier answers (one record a turn).",
+    ),
+)
+
+
+def tokenizer_options(func: F) -> F:
+    """The target's tokenizer and chat template kwargs (`preflight`)."""
+    return apply(func, [MODEL, TOKENIZER, TRUST_REMOTE_CODE, CHAT_TEMPLATE_KWARGS])
+
+
+def job_options(job: Decorator, *more: Decorator) -> Callable[[F], F]:
+    """The job name option `job`, the target options and `more` of JobOptions' fields,
+    given to the command as one `options: JobOptions`."""
+    return options_object("options", _job_options, job, *TARGET, *more)
+
+
+def _job_options(**values: Any) -> JobOptions:
+    # Imported here: `regen --help` should not load the tokenizer machinery.
+    from regen.producer.spec import JobOptions
+
+    return JobOptions(**values)
+
+
+def prepare_job_or_fail(options: JobOptions) -> PreparedJob:
     """`producer.spec.prepare_job`, its refusals shown as a command-line error."""
     from regen.common.jobspec import JobSpecError
     from regen.producer.spec import prepare_job
@@ -49,82 +208,9 @@ def prepare_job_or_fail(options: Any) -> Any:
         raise click.ClickException(str(exc)) from exc
 
 
-# What loads the target's tokenizer and shapes its chat template.
-_MODEL = click.option(
-    "--model",
-    required=True,
-    envvar="REGEN_MODEL",
-    help="HF model folder, a .gguf file, or 'smollm2' (the bundled SmolLM2-135M).",
-)
-_TOKENIZER = click.option("--tokenizer", default=None, help="Load the tokenizer from here instead.")
-_TRUST_REMOTE_CODE = click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it).",
-)
-_CHAT_TEMPLATE_KWARGS = click.option(
-    "--chat-template-kwargs",
-    callback=json_object,
-    default=None,
-    metavar="JSON",
-    help="Extra chat template kwargs, e.g. '{\"preserve_thinking\": true}'.",
-)
-
-
-def _apply(func: F, decorators: list[Callable[[F], F]]) -> F:
-    for decorator in reversed(decorators):  # the first listed shows first in --help
-        func = decorator(func)
-    return func
-
-
-def tokenizer_options(func: F) -> F:
-    """The target's tokenizer and chat template kwargs (`preflight`)."""
-    return _apply(func, [_MODEL, _TOKENIZER, _TRUST_REMOTE_CODE, _CHAT_TEMPLATE_KWARGS])
-
-
-def target_options(func: F) -> F:
-    """What decides the prompt ids the server gets: the model, its tokenizer and chat
-    template settings, and the limits on prompts. `enqueue` and `plan` share them, so a
-    plan counts exactly what an enqueue would send."""
-    return _apply(func, [
-        _MODEL,
-        _TOKENIZER,
-        _TRUST_REMOTE_CODE,
-        click.option(
-            "--max-new-tokens",
-            type=click.IntRange(min=1),
-            default=defaults.MAX_NEW_TOKENS,
-            show_default=True,
-            help="Always sent: SGLang's own default is only 128.",
-        ),
-        click.option(
-            "--thinking/--no-thinking",
-            default=None,
-            help="Thinking mode, mapped to the chat template's switch "
-            "(Kimi: thinking, Qwen3: enable_thinking). Default: the template's.",
-        ),
-        _CHAT_TEMPLATE_KWARGS,
-        click.option(
-            "--system-prompt", default=None, help="System message for rows that have none."
-        ),
-        click.option(
-            "--max-prompt-tokens",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Longer prompts go to the input DLQ.",
-        ),
-        click.option(
-            "--context-length",
-            type=click.IntRange(min=2),
-            default=None,
-            help="The server's context length (default: from the model's config).",
-        ),
-        click.option(
-            "--turns",
-            type=click.Choice(TURN_MODES),
-            default=TURNS_LAST,
-            show_default=True,
-            help="Regenerate the last assistant turn, on the dataset's history, or every "
-            "turn in order, each on the target's own earlier answers (one record a turn).",
-        ),
-    ])  # fmt: skip
+def print_json_or_text(document: Any, as_json: bool) -> None:
+    """A report (`to_json()`, `to_text()`) as indented JSON or as text."""
+    if as_json:
+        click.echo(orjson.dumps(document.to_json(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(document.to_text())

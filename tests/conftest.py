@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 
+from regen.common import settings
 from tests.redis_server import RedisServer, running_redis
 
 # Nothing in the test suite may reach a model hub.
@@ -17,6 +18,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # State (the converted-tokenizer cache) goes to pytest's cache folder, never ./.regen;
 # subprocesses inherit it, so each does not convert the GGUF tokenizer again.
 os.environ.setdefault("REGEN_HOME", str(Path(__file__).parents[1] / ".pytest_cache" / "regen"))
+
+
+@pytest.fixture(autouse=True)
+def settings_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process reads its settings once; after a test that set REGEN_* variables in
+    this process (e.g. for a command it runs in-process), they are read again."""
+    yield
+    monkeypatch.undo()
+    settings.load()
 
 
 @pytest.fixture(scope="session")

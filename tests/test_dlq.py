@@ -25,8 +25,11 @@ from regen.cli_dlq import dlq_group
 from regen.common import crashpoints, dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.results import GeneratedResult
+from regen.consumers.generate.reasons import Reason as GenerateReason
+from regen.consumers.tokenize.record import Reason as TokenizeReason
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.requeue import CRASHPOINT
+from regen.producer.rows import Reason as InputReason
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job
 from tests.generate_harness import Worker, all_acked, enqueue_prompts, results
 from tests.helpers import make_result, queued_chunks, wait_for
@@ -104,6 +107,31 @@ def assert_each_in_one_place(r: redis.Redis, spec: jobspec.JobSpec, ids: set[str
 
 
 # --- list, show, export, purge ---------------------------------------------------------
+
+
+def test_reason_codes_are_the_strings_stored_in_redis(r: redis.Redis) -> None:
+    # Stored entries and `regen dlq --reason` name these: renaming one orphans them.
+    assert [code.value for code in InputReason] == [
+        "invalid_json", "undecodable", "corrupt_file", "not_an_object", "unknown_shape",
+        "wrong_type", "unsupported_role", "unsupported_content", "empty_content",
+        "no_user_turn", "bad_order", "bad_tools", "bad_tool_call", "bad_tool_arguments",
+        "tool_without_call", "template_error", "prompt_too_long", "blocked",
+    ]  # fmt: skip
+    assert [code.value for code in GenerateReason] == [
+        "rejected_by_server", "poison_chunk", "not_json", "not_a_task_message",
+        "unknown_task", "malformed_chunk", "wrong_queue", "template_error",
+        "prompt_too_long", "tool_call_diverged", "blocked",
+    ]  # fmt: skip
+    assert [code.value for code in TokenizeReason] == [
+        "aborted", "unknown_finish_reason", "count_mismatch", "stop_mismatch",
+        "text_mismatch", "truncated", "truncated_dropped", "unexpected_thinking",
+        "missing_thinking", "unclosed_thinking", "empty_answer", "render_failed",
+    ]  # fmt: skip
+    letter = dataclasses.replace(generate_letter(1), reason=GenerateReason.POISON_CHUNK)
+    plant(r, [letter])
+    (stored,) = dlq.entries(r, JOB, "generate")
+    assert type(stored.reason) is str and stored.reason == "poison_chunk"
+    assert f"{GenerateReason.POISON_CHUNK}" == str(GenerateReason.POISON_CHUNK) == "poison_chunk"
 
 
 def test_list_show_and_filters(redis_url: str, r: redis.Redis, spec: Any, prepared: Any) -> None:
@@ -268,7 +296,7 @@ def test_a_requeue_killed_by_sigkill_loses_and_duplicates_nothing(
 ) -> None:
     ids = {f"p{i:02d}" for i in range(9)}
     plant(r, [generate_letter(i) for i in range(9)])
-    env = {**os.environ, "PYTHONPATH": str(REPO), crashpoints.ENV: CRASHPOINT}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_CRASHPOINT": CRASHPOINT}
     killed = subprocess.run(
         [sys.executable, "-c", "from regen.cli_dlq import dlq_group; dlq_group()",
          "requeue", "--all", "--redis-url", redis_url],

@@ -17,7 +17,6 @@ from regen.cli_status import verify
 from regen.common import dlq, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chat_family import render_prompt_ids
-from regen.common.crashpoints import ENV as CRASHPOINT_ENV
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.turns import CRASHPOINT
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
@@ -135,7 +134,7 @@ def test_kills_between_turns_change_no_record(
     spec = enqueue(redis_url, tmp_path, kimi_tokenizer_dir, "k").spec
     with kimi_standin(kimi_tokenizer_dir) as server:
         doomed = worker(redis_url, tmp_path, server, "--jobs", "k",
-                        **{CRASHPOINT_ENV: CRASHPOINT})  # fmt: skip
+                        REGEN_CRASHPOINT=CRASHPOINT)  # fmt: skip
         assert doomed.process.wait(timeout=120) == -signal.SIGKILL, doomed.log()
         (first,) = results(r, "k")  # handed off, then killed before the next turn
         # The chunk comes back after the visibility timeout; this worker serves both jobs.

@@ -30,6 +30,7 @@ from regen.common.connection import bytes_set
 from regen.common.heartbeat import RateMeter
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
+from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import EngineRunner
 from regen.consumers.generate.settle import (
     CHUNK_STATE_TTL_S,
@@ -132,7 +133,7 @@ def _dead_letter_all(
     how many ids that settled."""
     letter: dict[str, Any] = {
         "worker": ctx.worker,
-        "reason": "poison_chunk",
+        "reason": Reason.POISON_CHUNK,
         "message": (
             f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
             "(its worker died, or it failed: see history)"
@@ -182,7 +183,7 @@ def _reject(
         chunk,
         prompt,
         worker=ctx.worker,
-        reason="rejected_by_server",
+        reason=Reason.REJECTED_BY_SERVER,
         message=exc.message,
         attempts=attempt + 1,
         server=exc.server,

@@ -28,6 +28,7 @@ from kombu.utils.json import loads
 from regen.common import dlq, jobspec, keys
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
+from regen.consumers.generate.reasons import Reason
 
 log = logging.getLogger("regen.generate")
 
@@ -38,19 +39,12 @@ RAW_LIMIT = 64 * 1024
 # entry id: the hash of the message is.
 TASK_ID_LIMIT = 128
 
-# Reasons, from the outermost layer in (docs/design.md, Dead-letter entries).
-NOT_JSON = "not_json"
-NOT_A_TASK_MESSAGE = "not_a_task_message"
-UNKNOWN_TASK = "unknown_task"
-MALFORMED_CHUNK = "malformed_chunk"
-WRONG_QUEUE = "wrong_queue"
-
 
 @dataclass(frozen=True)
 class Verdict:
     """Why a message is poison, and its task id when it has one."""
 
-    reason: str
+    reason: Reason
     message: str
     task_id: str | None = None
 
@@ -64,22 +58,26 @@ def inspect(raw: bytes, queue: str, queue_of: Callable[[str], str | None]) -> Ve
     try:
         envelope = loads(raw.decode())
     except Exception as exc:  # untrusted bytes: any failure to decode is the verdict
-        return Verdict(NOT_JSON, f"not JSON: {exc}")
+        return Verdict(Reason.NOT_JSON, f"not JSON: {exc}")
     try:
         headers, body = _unwrap(envelope)
     except Exception as exc:  # as above: kombu's JSON hooks raise more than ValueError
-        return Verdict(NOT_A_TASK_MESSAGE, f"not a Celery task message: {exc!r}")
+        return Verdict(Reason.NOT_A_TASK_MESSAGE, f"not a Celery task message: {exc!r}")
     task_id = headers["id"]
     if headers["task"] != GENERATE_TASK:
-        return Verdict(UNKNOWN_TASK, f"task {headers['task']!r} is not {GENERATE_TASK}", task_id)
+        return Verdict(
+            Reason.UNKNOWN_TASK, f"task {headers['task']!r} is not {GENERATE_TASK}", task_id
+        )
     try:
         chunk = Chunk.from_payload(_single_argument(body))
     except Exception as exc:  # as above: the body is anything kombu's JSON can decode
-        return Verdict(MALFORMED_CHUNK, str(exc), task_id)
+        return Verdict(Reason.MALFORMED_CHUNK, str(exc), task_id)
     home = queue_of(chunk.job)
     if home != queue:
         where = f"its queue is {home}" if home else "no such job"
-        return Verdict(WRONG_QUEUE, f"a chunk of job {chunk.job!r} ({where}) on {queue}", task_id)
+        return Verdict(
+            Reason.WRONG_QUEUE, f"a chunk of job {chunk.job!r} ({where}) on {queue}", task_id
+        )
     return None
 
 

@@ -7,28 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from typing import Any
 
 import redis
 
-from regen.common import dlq, keys
-from regen.common.celery_app import visibility_timeout
+from regen.common import dlq, keys, settings
+from regen.common.backoff import Backoff
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
+from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import EngineRunner
 
 log = logging.getLogger("regen.generate")
 
 # Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
 # acknowledgement still finds which prompts are done; then it expires (flat memory).
-CHUNK_STATE_TTL_S = 2 * visibility_timeout()
+CHUNK_STATE_TTL_S = 2 * settings.current().visibility_timeout_s
 # A chunk still waiting for an unavailable engine this far into the visibility timeout is
 # given back to the queue (results already handed off stay done), rather than be
 # redelivered to a second worker while this one still holds it.
-GIVE_BACK_AFTER_S = 0.75 * visibility_timeout()
+GIVE_BACK_AFTER_S = 0.75 * settings.current().visibility_timeout_s
+# Waits between tries of an unavailable engine: from ~1 s up to a minute.
+ENGINE_RETRY = Backoff(base_s=1.0, max_s=60.0)
 
 
 class ChunkDeferred(Exception):
@@ -39,7 +41,7 @@ async def generate_with_retry(
     runner: EngineRunner, request: GenerateRequest, deadline: float
 ) -> GenerateResult:
     """Retry while the engine is unavailable: a dead server is not a bad prompt."""
-    delay = 1.0
+    failures = 0
     while True:
         try:
             return await runner.engine.generate(request, deadline=deadline)
@@ -47,10 +49,13 @@ async def generate_with_retry(
             if time.monotonic() >= deadline:
                 raise ChunkDeferred(str(exc)) from exc
             log.warning(
-                "engine unavailable for %s (%s); retrying in ~%.0f s", request.rid, exc, delay
+                "engine unavailable for %s (%s); retrying in ~%.0f s",
+                request.rid,
+                exc,
+                ENGINE_RETRY.ceiling(failures),
             )
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 60.0)
+            await asyncio.sleep(ENGINE_RETRY.delay(failures))
+            failures += 1
 
 
 def mark_generated(pipe: redis.client.Pipeline, chunk: Chunk, *prompt_ids: str) -> None:
@@ -67,7 +72,7 @@ def dead_letter(
     prompt: ChunkPrompt,
     *,
     worker: str,
-    reason: str,
+    reason: Reason,
     message: str,
     attempts: int,
     history: list[dict[str, object]] | None = None,

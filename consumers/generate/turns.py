@@ -23,6 +23,7 @@ from regen.common import crashpoints
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.settle import (
     GIVE_BACK_AFTER_S,
     generate_with_retry,
@@ -70,7 +71,7 @@ class _Conversations:
             try:
                 turn = turn.rendered(self.chat.render(turn.prompt.messages, turn.prompt.tools))
             except ChatTemplateError as exc:
-                self.fail(turn, "template_error", str(exc))
+                self.fail(turn, Reason.TEMPLATE_ERROR, str(exc))
                 return
         n_prompt = len(turn.prompt.prompt_ids)
         if self.limit is not None and n_prompt > self.limit:
@@ -78,7 +79,7 @@ class _Conversations:
                 f"turn prompt is {n_prompt} tokens; the job allows {self.limit} with "
                 f"max_new_tokens {self.sampling['max_new_tokens']}"
             )
-            self.fail(turn, "prompt_too_long", message)
+            self.fail(turn, Reason.PROMPT_TOO_LONG, message)
             return
         request = GenerateRequest(
             rid=f"{self.chunk.chunk_id}-{turn.prompt.id}-{self.attempt}",
@@ -110,7 +111,7 @@ class _Conversations:
         try:
             output = future.result()
         except PromptRejected as exc:
-            self.fail(turn, "rejected_by_server", exc.message, server=exc.server)
+            self.fail(turn, Reason.REJECTED_BY_SERVER, exc.message, server=exc.server)
             return
         answer = self.chat.answer(turn.prompt.prompt_ids, output, turn.prompt.tools, self.sampling)
         ctx = self.ctx
@@ -134,13 +135,13 @@ class _Conversations:
         try:
             following = next_turn(turn, answer)
         except ToolCallDiverged as exc:
-            self.fail(exc.turn, "tool_call_diverged", str(exc))
+            self.fail(exc.turn, Reason.TOOL_CALL_DIVERGED, str(exc))
             return
         if following is not None:
             crashpoints.hit(CRASHPOINT)
             self.send(following)
 
-    def fail(self, turn: Turn, reason: str, message: str, **payload: Any) -> None:
+    def fail(self, turn: Turn, reason: Reason, message: str, **payload: Any) -> None:
         pipe = self.ctx.redis.pipeline()
         self.dead_lettered += dead_letter_turn(
             pipe,

@@ -41,9 +41,9 @@ class WorkerOptions:
     jobs: list[str] = field(default_factory=list)
     queues: list[str] = field(default_factory=list)
     # Chunks run at once; 0 = derived from the engine's capacity and the chunk size.
-    concurrency: int = 0
-    max_attempts: int = 3
-    loglevel: str = "INFO"
+    concurrency: int = defaults.CONCURRENCY
+    max_attempts: int = defaults.MAX_CHUNK_ATTEMPTS
+    loglevel: str = defaults.LOGLEVEL
     # Serve Prometheus metrics on this port; None: no metrics endpoint.
     metrics_port: int | None = None
 

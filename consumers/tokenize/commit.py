@@ -31,12 +31,12 @@ from typing import cast
 import orjson
 import redis
 
-from regen.common import defaults, keys
+from regen.common import keys, settings
 from regen.common.connection import bytes_hash
 
 # A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
 # recovery (after expiry) never races a rename.
-LEASE_S = defaults.SHARD_LEASE_S
+LEASE_S = settings.current().shard_lease_s
 LEASE_MARGIN_S = LEASE_S / 2
 
 _CLAIM_LUA = """

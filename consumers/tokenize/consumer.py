@@ -18,7 +18,7 @@ from typing import Any, cast
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys
+from regen.common import defaults, jobspec, keys, settings
 from regen.common.chat_family import detect_family
 from regen.common.connection import bytes_hash
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
@@ -29,7 +29,7 @@ log = logging.getLogger("regen.tokenize")
 
 # Pending shards are looked at this often; within a lease, so a dead consumer's claims
 # are resolved soon after they expire.
-RECOVER_INTERVAL_S = min(30.0, defaults.SHARD_LEASE_S / 2)
+RECOVER_INTERVAL_S = min(30.0, settings.current().shard_lease_s / 2)
 DISK_POLL_S = 2.0
 
 
@@ -38,15 +38,14 @@ class TokenizeOptions:
     out_dir: Path
     jobs: list[str] = field(default_factory=list)
     policy: ShardPolicy = field(default_factory=ShardPolicy)
-    on_truncated: str = "dlq"
-    drift_check: bool = True
+    on_truncated: str = defaults.ON_TRUNCATED
+    drift_check: bool = defaults.DRIFT_CHECK
     # Pause (not crash, not write partial files) while the shard folder has less free.
-    min_free_bytes: int = 2 * 1024**3
+    min_free_bytes: int = defaults.MIN_FREE_BYTES
     batch: int = 256
     block_ms: int = 1000
-    # Entries another consumer holds longer than this are taken over: above the longest
-    # a live consumer keeps a shard open.
-    claim_idle_s: float = 900.0
+    # Entries another consumer holds longer than this are taken over.
+    claim_idle_s: float = defaults.CLAIM_IDLE_S
 
 
 @dataclass
@@ -126,7 +125,7 @@ class TokenizeConsumer:
         owners = set()
         for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
             beat = orjson.loads(raw)
-            if now - beat.get("last_seen", 0) < defaults.HEARTBEAT_STALE_S:
+            if now - beat.get("last_seen", 0) < settings.current().heartbeat_stale_s:
                 owners.add(name.decode())
         return owners
 

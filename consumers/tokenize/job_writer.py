@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from regen.common import crashpoints, dlq, keys
+from regen.common import crashpoints, defaults, dlq, keys
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
@@ -38,15 +38,15 @@ log = logging.getLogger("regen.tokenize")
 
 @dataclass(frozen=True)
 class ShardPolicy:
-    """When an open shard is closed and committed."""
+    """When an open shard is closed and committed (see common.defaults)."""
 
-    max_rows: int = 100_000
-    # Uncompressed bytes; a few hundred MB suits training loaders' shuffling buffers.
-    max_bytes: int = 256 * 1024 * 1024
-    # Oldest a shard stays open: bounds how long results wait unacknowledged.
-    max_age_s: float = 300.0
+    max_rows: int = defaults.SHARD_MAX_ROWS
+    # Uncompressed bytes.
+    max_bytes: int = defaults.SHARD_MAX_BYTES
+    # Oldest a shard stays open.
+    max_age_s: float = defaults.SHARD_MAX_AGE_S
     # Commit an open shard once no result has arrived for this long.
-    idle_s: float = 10.0
+    idle_s: float = defaults.SHARD_IDLE_S
 
 
 @dataclass

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from regen.common import defaults
 from regen.common.chat_family import (
     ChatFamily,
     ChatTemplateError,
@@ -55,6 +56,7 @@ from regen.common.chat_family import (
     split_reasoning,
     think_state,
 )
+from regen.common.dlq import ReasonCode, Refused
 from regen.common.jobspec import JobSpec
 from regen.common.output_calls import turn_calls
 from regen.common.results import GeneratedResult
@@ -74,12 +76,12 @@ RECORD_SCHEMAS = {"regen.record/1": _V1_FIELDS, RECORD_SCHEMA: RECORD_FIELDS}
 # Fields a record has only in some cases, with their types.
 OPTIONAL_RECORD_FIELDS: dict[str, tuple[type, ...]] = {"tools": (list,), "tool_results": (str,)}
 FINISH_REASONS = frozenset({"stop", "length"})
-ON_TRUNCATED = frozenset({"keep", "drop", "dlq"})
+ON_TRUNCATED = ("keep", "drop", "dlq")
 # SGLang's detokenizer decodes an unfinished UTF-8 sequence as U+FFFD.
 _REPLACEMENT = "\ufffd"
 
 
-class Reason:
+class Reason(ReasonCode):
     """Why a result gives no record: the tokenize stage's DLQ reasons, all in one place."""
 
     ABORTED = "aborted"
@@ -96,13 +98,8 @@ class Reason:
     RENDER_FAILED = "render_failed"  # the template cannot re-render its own output
 
 
-class CheckFailed(Exception):
+class CheckFailed(Refused):
     """A result that cannot be a record: `reason` is one of `Reason`'s codes."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -112,8 +109,9 @@ class RecordContext:
     spec: JobSpec
     tokenizer: Any
     family: ChatFamily
-    on_truncated: str = "dlq"  # a result cut by max_new_tokens: keep, drop or dlq it
-    drift_check: bool = True
+    # A result cut by max_new_tokens: keep, drop or dlq it.
+    on_truncated: str = defaults.ON_TRUNCATED
+    drift_check: bool = defaults.DRIFT_CHECK
 
     def __post_init__(self) -> None:
         if self.on_truncated not in ON_TRUNCATED:

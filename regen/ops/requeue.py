@@ -40,6 +40,7 @@ from regen.common.jobspec import SAMPLING_KEYS, JobSpec, JobSpecError
 from regen.common.results import FIELD, GeneratedResult
 from regen.ops.accounting import is_prompt_entry
 from regen.producer.publish import ChunkPublisher
+from regen.producer.rows import Reason as InputReason
 
 # Where a crash test stops a requeue: right after one step (a chunk, a re-check) is in.
 CRASHPOINT = "dlq.requeue_step"
@@ -222,7 +223,7 @@ class Requeuer:
 
     def _render_input(self, letter: dlq.DeadLetter) -> ChunkPrompt:
         """An input entry refused as too long, rendered again as the producer would."""
-        if letter.reason != "prompt_too_long":
+        if letter.reason != InputReason.PROMPT_TOO_LONG:
             if letter.entry_id.startswith("row:"):
                 raise _Refused(
                     f"{letter.reason}: a dataset row that gave no prompt; fix the row, "

@@ -14,13 +14,10 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys
+from regen.common import defaults, jobspec, keys, settings
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger, Sample
 from regen.ops import accounting
-
-# Rates are measured over about this much recent time.
-RATE_WINDOW_S = 600.0
 
 
 def window_rates(samples: list[Sample], now: Sample, window_s: float) -> tuple[float, float] | None:
@@ -134,7 +131,7 @@ def worker_status(r: redis.Redis) -> list[dict[str, Any]]:
         beat = orjson.loads(raw)
         age = now - float(beat.get("last_seen", 0))
         beat.update(
-            name=accounting.text(name), age_s=age, stale=age > defaults.HEARTBEAT_STALE_S,
+            name=accounting.text(name), age_s=age, stale=age > settings.current().heartbeat_stale_s,
             queues=beat.get("queues") or [],
         )  # fmt: skip
         out.append(beat)
@@ -142,7 +139,7 @@ def worker_status(r: redis.Redis) -> list[dict[str, Any]]:
 
 
 def snapshot(
-    r: redis.Redis, job: str | None = None, window_s: float = RATE_WINDOW_S
+    r: redis.Redis, job: str | None = None, window_s: float = defaults.STATUS_RATE_WINDOW_S
 ) -> dict[str, Any]:
     """The whole status document: one job, or every job in this Redis."""
     names = [job] if job else jobspec.list_jobs(r)

@@ -27,8 +27,8 @@ class EngineOptions:
     max_inflight: int | None = None
     request_timeout_s: float = defaults.REQUEST_TIMEOUT_S
     trust_remote_code: bool = False
-    device: str = "auto"
-    tp_size: int = 1
+    device: str = defaults.DEVICE
+    tp_size: int = defaults.TP_SIZE
     # More `sglang.Engine` arguments (SGLang's ServerArgs fields), engine "sglang-engine".
     sglang_args: dict[str, Any] = field(default_factory=dict)
 

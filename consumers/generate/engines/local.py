@@ -43,7 +43,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from regen.common import defaults
+from regen.common import defaults, settings
 from regen.common.tokenizer import resolve_model
 from regen.consumers.generate.engine import (
     EngineUnavailable,
@@ -90,8 +90,8 @@ class LocalEngine:
         self,
         model: str,
         *,
-        device: str = "auto",
-        max_batch_size: int = 16,
+        device: str = defaults.DEVICE,
+        max_batch_size: int = defaults.LOCAL_BATCH_SIZE,
         dtype: str | torch.dtype = "auto",
         batch_wait_s: float = 0.01,
         trust_remote_code: bool = False,
@@ -111,8 +111,9 @@ class LocalEngine:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if threads:
             torch.set_num_threads(threads)
-        home = Path(os.environ.get("REGEN_HOME", defaults.HOME))
-        weights_cache = Path(cache_dir or home / "cache" / "models") if cache else None
+        weights_cache = (
+            Path(cache_dir or settings.current().home / "cache" / "models") if cache else None
+        )
         self._load_args = (self.ref, str(self.device), self.dtype, trust_remote_code, weights_cache)
         self._loaded: LoadedModel | None = None
         self._load_error: Exception | None = None

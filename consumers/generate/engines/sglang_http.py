@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ import aiohttp
 import orjson
 
 from regen.common import defaults
+from regen.common.backoff import Backoff
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import (
@@ -78,12 +78,11 @@ class SGLangHTTPEngine:
             max_inflight_per_server,
             self._probe,
             health_interval_s=health_interval_s,
-            backoff_base_s=backoff_base_s,
-            backoff_max_s=backoff_max_s,
+            # A busy server is waited out for at least half of each backoff.
+            overload_backoff=Backoff(backoff_base_s, backoff_max_s, jitter=0.5),
         )
         self._health_path = health_path
-        self._backoff_base_s = backoff_base_s
-        self._backoff_max_s = backoff_max_s
+        self._retry = Backoff(backoff_base_s, backoff_max_s)
         self._max_bad_answers = max_bad_answers
         self._give_up_after_s = give_up_after_s
         # A read timeout, which bounds a whole attempt because SGLang sends nothing
@@ -238,7 +237,7 @@ class SGLangHTTPEngine:
 
     async def _sleep_backoff(self, failures: int, deadline: float | None) -> None:
         """Exponential backoff with full jitter, so a fleet of retries does not stampede."""
-        delay = random.uniform(0, min(self._backoff_max_s, self._backoff_base_s * 2**failures))
+        delay = self._retry.delay(failures)
         if deadline is not None:
             delay = min(delay, max(0.0, deadline - time.monotonic()))
         await asyncio.sleep(delay)

@@ -50,7 +50,7 @@ class SGLangInProcessEngine:
         self,
         model: str,
         *,
-        tp_size: int = 1,
+        tp_size: int = defaults.TP_SIZE,
         trust_remote_code: bool = False,
         max_inflight: int = defaults.MAX_INFLIGHT_PER_SERVER,
         server_args: dict[str, Any] | None = None,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -21,6 +20,8 @@ from typing import Any
 
 import aiohttp
 from yarl import URL
+
+from regen.common.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,7 @@ class ServerPool:
         probe: Callable[[ServerState], Awaitable[bool]],
         *,
         health_interval_s: float,
-        backoff_base_s: float,
-        backoff_max_s: float,
+        overload_backoff: Backoff,
     ) -> None:
         if not urls:
             raise ValueError("SGLang engine needs at least one server URL")
@@ -117,8 +117,9 @@ class ServerPool:
             self.servers.append(ServerState(url, label, cap, auth))
         self._probe = probe
         self._health_interval_s = health_interval_s
-        self._backoff_base_s = backoff_base_s
-        self._backoff_max_s = backoff_max_s
+        self._overload_backoff = overload_backoff
+        # A down server is re-probed soon, then less often, up to the healthy interval.
+        self._recheck_backoff = Backoff(DOWN_RECHECK_MIN_S, health_interval_s, jitter=0)
         self._watchers: list[asyncio.Task[None]] = []
         # Replaced on every change: a waiter grabs the current event before checking,
         # so a change between its check and its wait is never missed.
@@ -178,8 +179,8 @@ class ServerPool:
         """Back off a server that refused work (queue full): busy, not dead."""
         self.record(server, "overloaded", error)
         server.overload_streak += 1
-        ceiling = min(self._backoff_max_s, self._backoff_base_s * 2**server.overload_streak)
-        server.overload_until = time.monotonic() + ceiling * random.uniform(0.5, 1.0)
+        wait_s = self._overload_backoff.delay(server.overload_streak)
+        server.overload_until = time.monotonic() + wait_s
         self._notify()
 
     def record(self, server: ServerState, kind: str, error: str) -> None:
@@ -226,7 +227,7 @@ class ServerPool:
 
     async def _watch(self, server: ServerState) -> None:
         delay = 0.0
-        down_delay = DOWN_RECHECK_MIN_S
+        failed_probes = 0
         while True:
             await wait_event(server.recheck, delay)
             server.recheck.clear()
@@ -236,6 +237,7 @@ class ServerPool:
                 log.exception("health probe of %s crashed", server.label)
                 ok = False
             if ok:
-                delay, down_delay = self._health_interval_s, DOWN_RECHECK_MIN_S
+                delay, failed_probes = self._health_interval_s, 0
             else:
-                delay, down_delay = down_delay, min(self._health_interval_s, down_delay * 2)
+                delay = self._recheck_backoff.delay(failed_probes)
+                failed_probes += 1
