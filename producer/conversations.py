@@ -12,11 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 from regen.common.conversation import Conversation
-from regen.producer.rows import BadRow, Prompt, Reason, prompt_id
+from regen.common.jobspec import TURNS_ALL, JobSpec
+from regen.producer.rows import BadRow, Prompt, Reason, prompt_id, to_prompt
 
 # Stands for an assistant turn in the content a conversation id is derived from: the id
 # depends on where the turns are, never on the dataset's answers.
 _TURN = {"role": "assistant"}
+
+
+def job_prompt(row: object, spec: JobSpec) -> tuple[Prompt, Conversation | None]:
+    """A dataset row as the job regenerates it: the prompt to send (the first turn's with
+    `--turns all`) and, with `--turns all`, its conversation; raises BadRow."""
+    prompt = to_prompt(row, system_prompt=spec.system_prompt, prompt_text=spec.prompt_text)
+    if spec.turns == TURNS_ALL:
+        return split_turns(prompt)
+    return prompt, None
 
 
 def split_turns(prompt: Prompt) -> tuple[Prompt, Conversation]:

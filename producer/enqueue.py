@@ -26,12 +26,11 @@ from redis.typing import EncodableT, FieldT
 from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
-from regen.common.jobspec import TURNS_ALL
 from regen.common.queues import waiting_chunks
-from regen.producer.conversations import split_turns
+from regen.producer.conversations import job_prompt
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
-from regen.producer.rows import BadRow, Prompt, Reason, to_prompt
+from regen.producer.rows import BadRow, Prompt, Reason
 from regen.producer.spec import PreparedJob
 
 BACKPRESSURE_POLL_S = 0.5
@@ -139,15 +138,8 @@ class Enqueuer:
         if raw.error is not None:
             self._dead_letter_row(raw, path, raw.error.reason, raw.error.message)
             return None
-        conversation = None
         try:
-            prompt = to_prompt(
-                raw.value,
-                system_prompt=self._spec.system_prompt,
-                prompt_text=self._spec.prompt_text,
-            )
-            if self._spec.turns == TURNS_ALL:
-                prompt, conversation = split_turns(prompt)
+            prompt, conversation = job_prompt(raw.value, self._spec)
         except BadRow as exc:
             self._dead_letter_row(raw, path, exc.reason, exc.message)
             return None

@@ -29,11 +29,10 @@ from typing import Any
 from regen.common import defaults
 from regen.common.chat_family import render_prompt_ids
 from regen.common.conversation import BLOCKED, Conversation
-from regen.common.jobspec import TURNS_ALL
-from regen.producer.conversations import split_turns
+from regen.producer.conversations import job_prompt
 from regen.producer.readers import iter_rows
 from regen.producer.record_size import Example
-from regen.producer.rows import BadRow, Prompt, Reason, to_prompt
+from regen.producer.rows import BadRow, Prompt, Reason
 from regen.producer.spec import PreparedJob
 
 # Accepted prompts kept, with their ids, to model records on (see producer.record_size),
@@ -108,15 +107,8 @@ def scan_prompts(
             if raw.error is not None:
                 _count(scan.rejected_rows, raw.error.reason)
                 continue
-            conversation = None
             try:
-                prompt = to_prompt(
-                    raw.value,
-                    system_prompt=job.spec.system_prompt,
-                    prompt_text=job.spec.prompt_text,
-                )
-                if job.spec.turns == TURNS_ALL:
-                    prompt, conversation = split_turns(prompt)
+                prompt, conversation = job_prompt(raw.value, job.spec)
             except BadRow as exc:
                 _count(scan.rejected_rows, exc.reason)
                 continue
