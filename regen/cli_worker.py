@@ -228,7 +228,7 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
 @metrics_port_option
 @redis_url_option
 def tokenize(options: TokenizeOptions, metrics_port: int | None, redis_url: str | None) -> None:
-    """Write token-exact records of generated results into OUT/JOB/shard-*.jsonl.zst."""
+    """Write token-exact records of generated results into shard files under OUT/JOB."""
     from regen.common.metrics import MetricsPortError
     from regen.consumers.tokenize.worker import run_worker as run_tokenize
 
