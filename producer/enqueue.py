@@ -23,6 +23,7 @@ from redis.typing import EncodableT, FieldT
 from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.queues import waiting_chunks
+from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, to_prompt
@@ -41,6 +42,9 @@ class EnqueueStats:
     duplicates: int = 0
     rejected: int = 0
     chunks: int = 0
+    # Prompts already committed or dead-lettered though not among the job's ids (Redis
+    # lost them and `regen recover` rebuilt the ledger): recorded as enqueued, not queued.
+    already_settled: int = 0
     waiting: int = 0
     high_water: int = 0
     throttled: bool = False
@@ -71,6 +75,7 @@ class Enqueuer:
         self._job = job
         self._spec = job.spec
         self._publisher = ChunkPublisher(app, r, self._spec.name, self._spec.queue)
+        self._ledger = CommitLedger(r, self._spec.name)
         self._high_water = high_water
         self._on_progress = on_progress
         self._token_limit = self._spec.prompt_token_limit()
@@ -189,20 +194,38 @@ class Enqueuer:
         self._r.hset(keys.job_cursors(self._spec.name), mapping=mapping)
 
     def _drop_known(self, buffer: list[_Pending]) -> list[_Pending]:
-        """Drop prompts already in the job or earlier in this buffer (exact duplicates)."""
+        """Drop prompts already in the job or earlier in this buffer (exact duplicates),
+        and those already settled though Redis lost them from the job's ids."""
         if not buffer:
             return []
         ids = [item.prompt.id for item in buffer]
         known = self._r.smismember(keys.job_ids(self._spec.name), ids)
+        settled = self._settled([pid for pid, is_in in zip(ids, known, strict=True) if not is_in])
         seen: set[str] = set()
         fresh = []
         for item, pid, is_known in zip(buffer, ids, known, strict=True):
             if is_known or pid in seen:
                 self.stats.duplicates += 1
-                continue
+            elif pid in settled:
+                self.stats.already_settled += 1
+            else:
+                fresh.append(item)
             seen.add(pid)
-            fresh.append(item)
         return fresh
+
+    def _settled(self, ids: list[str]) -> set[str]:
+        """Of ids not in the job's id set, those committed to a shard or dead-lettered
+        (after `regen recover`); they are put back into the job's ids, so every place
+        they are in counts them, and are not queued again."""
+        committed = self._ledger.owner_of(ids)
+        dead = dlq.dead_lettered(self._r, self._spec.name, ids)
+        settled = [
+            pid for pid, shard, is_dead in zip(ids, committed, dead, strict=True)
+            if shard is not None or is_dead
+        ]  # fmt: skip
+        if settled:
+            self._r.sadd(keys.job_ids(self._spec.name), *settled)
+        return set(settled)
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
         messages = item.prompt.messages
@@ -262,6 +285,18 @@ class Enqueuer:
                 return
             self._on_progress(self.stats)
             time.sleep(BACKPRESSURE_POLL_S)
+
+
+def reread_from_start(r: redis.Redis, job: str) -> int:
+    """Drop the job's resume cursors, so its next enqueue reads every file from the first
+    row (after `regen recover`: cursors restored from an older copy, or moved on by a
+    producer that kept running, can be past prompts Redis lost). Enqueued, committed and
+    dead-lettered prompts are skipped on the way. Returns how many cursors there were."""
+    pipe = r.pipeline()
+    pipe.hlen(keys.job_cursors(job))
+    pipe.delete(keys.job_cursors(job))
+    dropped, _ = pipe.execute()
+    return int(dropped)
 
 
 def expand_datasets(paths: list[str]) -> list[Path]:

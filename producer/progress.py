@@ -65,6 +65,8 @@ class ProgressDisplay:
 
 def summary(stats: EnqueueStats, job: str) -> str:
     lines = [f"job {job}: {_line(stats)}"]
+    if stats.already_settled:
+        lines.append(f"  in a shard or a DLQ, Redis had lost them: {stats.already_settled}")
     for reason, count in sorted(stats.rejected_by_reason.items()):
         lines.append(f"  rejected {reason}: {count}")
     return "\n".join(lines)

@@ -7,7 +7,16 @@ import os
 
 import click
 
-from regen import cli_dlq, cli_enqueue, cli_plan, cli_redis, cli_shards, cli_status, cli_worker
+from regen import (
+    cli_dlq,
+    cli_enqueue,
+    cli_plan,
+    cli_recover,
+    cli_redis,
+    cli_shards,
+    cli_status,
+    cli_worker,
+)
 from regen.options import redis_url_option
 
 
@@ -109,3 +118,4 @@ main.add_command(cli_plan.preflight)
 main.add_command(cli_dlq.dlq_group)
 main.add_command(cli_status.status)
 main.add_command(cli_status.verify)
+main.add_command(cli_recover.recover)

@@ -41,6 +41,7 @@ def run_worker(
             "paused_for_disk": consumer.state.paused_for_disk,
             "free_bytes": consumer.state.free_bytes,
             "tokens_per_s": tokens.rate(),
+            "behind": dict(consumer.state.behind),
             "jobs": {
                 job: {**w.counters.__dict__, "open_rows": w.open_rows}
                 for job, w in consumer.state.writers.items()
