@@ -27,7 +27,7 @@ from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, to_prompt
-from regen.producer.spec import PreparedJob
+from regen.producer.spec import ROW_TOO_LARGE, PreparedJob
 
 BACKPRESSURE_POLL_S = 0.5
 # The input DLQ keeps this much of a bad row, enough to see what was wrong with it.
@@ -230,12 +230,19 @@ class Enqueuer:
     def _render(self, item: _Pending) -> ChunkPrompt | None:
         messages = item.prompt.messages
         pid = item.prompt.id
+        too_large = self._job.too_large(messages)
+        if too_large is not None:
+            snippet = repr(messages)[:RAW_SNIPPET_CHARS]  # not the whole row: it can be huge
+            self._dead_letter_prompt(item, ROW_TOO_LARGE, too_large, {"row": snippet})
+            return None
         try:
             ids = chat_family.render_prompt_ids(
                 self._job.tokenizer, messages, self._spec.chat_template_kwargs
             )
         except Exception as exc:  # a template that raises on this conversation
-            self._dead_letter_prompt(item, "template_error", f"chat template failed: {exc}", [])
+            self._dead_letter_prompt(
+                item, "template_error", f"chat template failed: {exc}", self._payload(item, [])
+            )
             return None
         if self._token_limit is not None and len(ids) > self._token_limit:
             self._dead_letter_prompt(
@@ -247,13 +254,18 @@ class Enqueuer:
                     f"{self._spec.context_length} - max_new_tokens "
                     f"{self._spec.sampling['max_new_tokens']})"
                 ),
-                ids,
+                self._payload(item, ids),
             )
             return None
         return ChunkPrompt(id=pid, prompt_ids=ids, messages=messages, source=item.source)
 
+    @staticmethod
+    def _payload(item: _Pending, prompt_ids: list[int]) -> dict[str, Any]:
+        """What a requeue of a refused prompt needs (`regen dlq requeue`)."""
+        return {"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)}
+
     def _dead_letter_prompt(
-        self, item: _Pending, reason: str, message: str, prompt_ids: list[int]
+        self, item: _Pending, reason: str, message: str, payload: dict[str, Any]
     ) -> None:
         """A prompt the job refuses still belongs to the job: its id goes into the job's
         id set together with the DLQ entry, so it is accounted for (and not retried)."""
@@ -270,7 +282,7 @@ class Enqueuer:
                 message=message,
                 prompt_id=pid,
                 source=item.source,
-                payload={"messages": item.prompt.messages, "prompt_tokens": len(prompt_ids)},
+                payload=payload,
             ),
         )
         pipe.execute()

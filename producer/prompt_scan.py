@@ -26,7 +26,7 @@ from regen.common.chat_family import render_prompt_ids
 from regen.producer.readers import iter_rows
 from regen.producer.record_size import Example
 from regen.producer.rows import BadRow, Prompt, to_prompt
-from regen.producer.spec import PreparedJob
+from regen.producer.spec import ROW_TOO_LARGE, PreparedJob
 
 # The reasons `producer.enqueue` dead-letters a readable prompt with.
 TEMPLATE_ERROR = "template_error"
@@ -47,8 +47,8 @@ class PromptScan:
     rows_read: int = 0
     unique: int = 0
     duplicates: int = 0
-    # Rows that are no prompt (exact: every row is read) and, among the tokenized
-    # prompts, those the job refuses (template_error, prompt_too_long).
+    # Rows that are no prompt or too large to tokenize (exact: every row is read) and,
+    # among the tokenized prompts, those the job refuses (template_error, prompt_too_long).
     rejected_rows: dict[str, int] = field(default_factory=dict)
     rejected_tokenized: dict[str, int] = field(default_factory=dict)
     tokenized: int = 0
@@ -112,6 +112,9 @@ def scan_prompts(
                 scan.duplicates += 1
                 continue
             seen.add(key)
+            if job.too_large(prompt.messages) is not None:  # as enqueue: never tokenized
+                _count(scan.rejected_rows, ROW_TOO_LARGE)
+                continue
             scan.unique += 1
             source = {"file": str(path), "row": raw.row, "id": prompt.source_id}
             if sample is None:

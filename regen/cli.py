@@ -6,6 +6,7 @@ import logging
 import os
 
 import click
+import redis
 
 from regen import (
     cli_dlq,
@@ -20,7 +21,23 @@ from regen import (
 from regen.options import redis_url_option
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Regen(click.Group):
+    """The `regen` group: a login Redis refuses is a one-line error in every command."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except redis.AuthenticationError as exc:
+            raise click.ClickException(
+                f"Redis refused the login ({exc}): check the user and password in "
+                "REGEN_REDIS_URL or --redis-url (redis://[USER]:PASSWORD@HOST:PORT/DB)"
+            ) from None
+
+
+@click.group(
+    cls=_Regen,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def main(verbose: int) -> None:
     """Regenerate assistant responses with a target LLM into token-exact drafter training

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from regen.common import connection, defaults, jobspec
+from regen.common import connection, defaults, jobspec, keys
 from regen.options import prepare_job_or_fail, redis_url_option, target_options
 
 
@@ -61,6 +61,7 @@ def enqueue(
     system_prompt: str | None,
     max_prompt_tokens: int | None,
     context_length: int | None,
+    max_row_bytes: int | None,
     queue: str | None,
     limit: int | None,
     high_water: int,
@@ -74,7 +75,7 @@ def enqueue(
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.common.celery_app import make_app
     from regen.producer.enqueue import Enqueuer, expand_datasets
-    from regen.producer.progress import ProgressDisplay, summary
+    from regen.producer.progress import ProgressDisplay, nothing_to_generate, summary
     from regen.producer.spec import JobOptions
 
     options = JobOptions(
@@ -93,6 +94,7 @@ def enqueue(
         chunk_size=chunk_size,
         max_prompt_tokens=max_prompt_tokens,
         context_length=context_length,
+        max_row_bytes=max_row_bytes,
         queue=queue,
     )
     prepared = prepare_job_or_fail(options)
@@ -107,7 +109,10 @@ def enqueue(
         err=True,
     )
     enqueuer_app = make_app(url)
+    files = expand_datasets(list(datasets))
     with ProgressDisplay() as progress:
         enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water, on_progress=progress)
-        stats = enqueuer.run(expand_datasets(list(datasets)), limit=limit)
+        stats = enqueuer.run(files, limit=limit)
     click.echo(summary(stats, job))
+    if not r.hlen(keys.job_chunks(job)):  # no chunk ever published: nothing will run
+        click.echo(nothing_to_generate(stats, job, len(files)), err=True)

@@ -69,6 +69,7 @@ def plan(
     system_prompt: str | None,
     max_prompt_tokens: int | None,
     context_length: int | None,
+    max_row_bytes: int | None,
     job: str,
     sample: int | None,
     seed: int,
@@ -98,6 +99,7 @@ def plan(
         system_prompt=system_prompt,
         max_prompt_tokens=max_prompt_tokens,
         context_length=context_length,
+        max_row_bytes=max_row_bytes,
     )
     prepared = prepare_job_or_fail(options)
     result = planning.build_plan(

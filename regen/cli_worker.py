@@ -252,6 +252,7 @@ def tokenize(
     from regen.common.metrics import MetricsPortError
     from regen.consumers.tokenize.consumer import TokenizeOptions
     from regen.consumers.tokenize.job_writer import ShardPolicy
+    from regen.consumers.tokenize.shard_files import UnwritableFolder
     from regen.consumers.tokenize.worker import run_worker as run_tokenize
 
     policy = ShardPolicy(
@@ -271,5 +272,5 @@ def tokenize(
     )
     try:
         run_tokenize(redis_url, options, metrics_port=metrics_port)
-    except MetricsPortError as exc:
+    except (MetricsPortError, UnwritableFolder) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -60,20 +60,21 @@ def sample_dataset() -> Path:
 
 
 class Workers:
-    """The demo's worker processes, logging to files, stopped warm at the end."""
+    """The demo's worker processes, logging to files, stopped warm at the end. They get
+    the Redis URL by environment (REGEN_REDIS_URL): arguments, a password in them
+    included, are visible to every user of the host (`ps`, /proc/PID/cmdline)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, redis_url: str) -> None:
         self._log_dir = log_dir
+        self._redis_url = redis_url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, args: list[str]) -> None:
         log = open(self._log_dir / f"{name}.log", "wb")  # noqa: SIM115 (owned by the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", connection.ENV_URL: self._redis_url}
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "regen", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [sys.executable, "-m", "regen", *args], stdout=log, stderr=subprocess.STDOUT, env=env
         )
 
     def check(self) -> None:
@@ -122,8 +123,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
         stats = Enqueuer(r, make_app(url), prepared, high_water=64, on_progress=show).run([dataset])
     console.print(summary(stats, job))
 
-    workers = Workers(options.out_dir / "logs" / job)
-    common_args = ["--redis-url", url, "--jobs", job]
+    workers = Workers(options.out_dir / "logs" / job, url)
+    common_args = ["--jobs", job]
     engine_args = ["--engine", options.engine]
     if options.engine == "local":
         engine_args += ["--model", options.model]

@@ -118,4 +118,11 @@ def target_options(func: F) -> F:
             default=None,
             help="The server's context length (default: from the model's config).",
         ),
+        click.option(
+            "--max-row-bytes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Prompts with more bytes of text go to the input DLQ untokenized "
+            "(default: the most that could fit the prompt token limit).",
+        ),
     ])  # fmt: skip

@@ -26,6 +26,7 @@ from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.record import RecordContext
+from regen.consumers.tokenize.shard_files import check_writable
 
 log = logging.getLogger("regen.tokenize")
 
@@ -75,7 +76,7 @@ class TokenizeConsumer:
         self._next_recover = 0.0
         self._next_claim = 0.0
         self._refused: set[str] = set()
-        options.out_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(options.out_dir)  # raises UnwritableFolder, before any Redis work
         self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
 
     # --- jobs ----------------------------------------------------------------------

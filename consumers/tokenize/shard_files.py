@@ -95,6 +95,22 @@ def leftover_owner(path: Path) -> str | None:
     return name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
 
 
+class UnwritableFolder(Exception):
+    """The shard folder cannot be created or written; the message says why."""
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` and write a file in it, or raise UnwritableFolder: a worker says
+    so when it starts, not at its first shard."""
+    probe = folder / f".write-test.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UnwritableFolder(f"cannot write shards to {folder}: {exc.strerror or exc}") from None
+
+
 def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:

@@ -21,6 +21,7 @@ def run_worker(
     """`metrics_port`: serve Prometheus metrics there; None: no metrics endpoint."""
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
+    r.ping()  # a refused login or no Redis fails here, before any thread starts
     name = worker_name("tokenize")
     consumer = TokenizeConsumer(r, options, name)
     stop = threading.Event()
