@@ -256,6 +256,9 @@ def test_recover_then_the_jobs_enqueue_queue_exactly_what_redis_lost(
         wait_for(lambda: JOB in running.consumer.state.behind, what="the job refused")
         assert f"regen recover --job {JOB} --out {out}" in running.consumer.state.behind[JOB]
         assert checksums(folder) == before
+        files = regen(redis_url, "shards", "verify", str(folder))  # the files against Redis
+        assert files.exit_code == 1 and f"{JOB}/.: redis_behind:" in files.output, files.output
+        assert regen(redis_url, "shards", "verify", str(folder), "--no-redis").exit_code == 0
 
         recovered = regen(redis_url, "recover", "--job", JOB, "--out", str(out))
         assert recovered.exit_code == 0, recovered.output
@@ -276,5 +279,7 @@ def test_recover_then_the_jobs_enqueue_queue_exactly_what_redis_lost(
             keys.results_stream(JOB)), what="the job taken up, late results acked")  # fmt: skip
     verified = regen(redis_url, "verify", "--job", JOB, "--shards-dir", str(folder))
     assert verified.exit_code == 0, verified.output
+    files = regen(redis_url, "shards", "verify", str(folder))
+    assert files.exit_code == 0 and "files checked alone" not in files.output, files.output
     assert checksums(folder) == before
     assert shard_id_counts(folder) == Counter({res.id: 1 for res in results[:30]})

@@ -87,3 +87,10 @@ def ensure_current(ledger: CommitLedger, job: str, folder: Path, disk_epoch: int
     if found.behind:
         raise behind_error(job, folder, found.problem())
     return found.redis_epoch
+
+
+def behind_message(ledger: CommitLedger, job: str, folder: Path) -> str | None:
+    """For the operator commands: why Redis is behind the folder, with the fix; None
+    when it is not."""
+    found = check(ledger, folder, manifest_epoch(folder))
+    return str(behind_error(job, folder, found.problem())) if found.behind else None

@@ -207,8 +207,7 @@ class JobWriter:
     def _check_disk(self) -> None:
         """Raise RedisBehind when Redis lost shards of the folder or its epoch went back;
         take up a newer epoch (`regen recover` ran)."""
-        self._epoch = max(self._epoch, ensure_current(self._ledger, self.job, self.folder,
-                                                      self._epoch))  # fmt: skip
+        self._epoch = ensure_current(self._ledger, self.job, self.folder, self._epoch)
 
     def commit(self) -> None:
         """Close the open shard and commit it (see commit.py for the protocol)."""

@@ -37,9 +37,10 @@ import redis
 from regen.common import keys
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.disk_truth import behind_message
 from regen.ops import accounting, locate
 from regen.ops.accounting import text
-from regen.ops.reconcile_shards import BATCH, batches, check_shards, redis_behind, shard_folder
+from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder
 
 # Problems kept per kind, with their ids; beyond that they are only counted.
 MAX_LISTED = 100
@@ -227,7 +228,7 @@ def reconcile(
             "give --shards-dir, or --no-shards)"
         )
         return report
-    behind = redis_behind(ledger, job, folder)
+    behind = behind_message(ledger, job, folder)
     if behind:
         report.problem("redis_behind", job, behind)
     report.shards_read, report.shard_ids_read = check_shards(

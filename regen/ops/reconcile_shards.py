@@ -18,7 +18,7 @@ import redis
 
 from regen.common import keys
 from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.disk_truth import behind_error, check, manifest_epoch
+from regen.consumers.tokenize.disk_truth import behind_message
 from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_ids, shard_paths
 
 BATCH = 1000
@@ -101,17 +101,11 @@ def check_shards(
     return files, ids_read
 
 
-def redis_behind(ledger: CommitLedger, job: str, folder: Path) -> str | None:
-    """Why Redis is behind the job's shard folder, with the fix; None when it is not."""
-    found = check(ledger, folder, manifest_epoch(folder))
-    return str(behind_error(job, folder, found.problem())) if found.behind else None
-
-
 def compare_folder(ledger: CommitLedger, job: str, folder: Path, report: Report) -> int:
     """`regen shards verify` with Redis: the job folder's files against its ledger (Redis
     behind the disk, and every shard's ids against the committed index). Returns the
     ids read."""
-    behind = redis_behind(ledger, job, folder)
+    behind = behind_message(ledger, job, folder)
     if behind:
         report("redis_behind", ".", behind)
     per_shard = Counter(shard for _, shard in ledger.iter_committed(BATCH))

@@ -18,7 +18,7 @@ import redis
 from regen.common import defaults, jobspec, keys
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger, Sample
-from regen.consumers.tokenize.disk_truth import behind_error, check, manifest_epoch
+from regen.consumers.tokenize.disk_truth import behind_message
 from regen.ops import accounting
 
 # Rates are measured over about this much recent time.
@@ -69,8 +69,7 @@ def _behind_disk(
     folder = output.get("dir")
     if output.get("host") != os.uname().nodename or not folder or not os.path.isdir(folder):
         return None
-    found = check(ledger, Path(folder), manifest_epoch(Path(folder)))
-    return str(behind_error(job, Path(folder), found.problem())) if found.behind else None
+    return behind_message(ledger, job, Path(folder))
 
 
 def job_status(
