@@ -126,6 +126,13 @@ def shard_seq(job: str) -> str:
     return _job(job, "shards:seq")
 
 
+def job_epoch(job: str) -> str:
+    """Integer: the generation of the job's commit ledger. Set to 1 at the job's first
+    shard and raised by `regen recover`; each manifest line records the epoch it was
+    written under, so a Redis older than the shards (a restored copy) shows."""
+    return _job(job, "epoch")
+
+
 def dlq(job: str, stage: str) -> str:
     """Hash: entry id -> JSON dead-letter entry of one stage."""
     if stage not in STAGES:

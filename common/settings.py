@@ -63,11 +63,15 @@ class Settings:
         return cls(**values)
 
 
+# The variable that gives a process its Redis URL; child processes get it this way, so a
+# password never shows in their command line.
+REDIS_URL_VARIABLE = "REGEN_REDIS_URL"
+
 # Every variable read, with the field it sets and how its text is read.
 VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "REGEN_HOME": ("home", Path),
     "REGEN_EMBEDDED_PORT": ("embedded_port", int),
-    "REGEN_REDIS_URL": ("redis_url", str),
+    REDIS_URL_VARIABLE: ("redis_url", str),
     "REGEN_VISIBILITY_TIMEOUT": ("visibility_timeout_s", int),
     "REGEN_RESTORE_INTERVAL": ("restore_interval_s", float),
     "REGEN_RESTORE_THROTTLE": ("restore_throttle", int),

@@ -46,7 +46,11 @@ class _ZstdFrames(io.RawIOBase):
             data = self._fh.read(_STEP)
             if not data:
                 if self._frame is not None:
-                    raise TruncatedFrame("file ends inside a zstd frame (truncated)")
+                    raise TruncatedFrame(
+                        "file ends inside a zstd frame (truncated); zstd decodes whole "
+                        "blocks (up to 128 KB of data), so what came before the cut block "
+                        "was read and the cut block is lost"
+                    )
                 return 0
             self._out, self._pos = self._decompress(data), 0
         n = min(len(buffer), len(self._out) - self._pos)

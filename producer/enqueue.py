@@ -27,6 +27,7 @@ from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.queues import waiting_chunks
+from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.conversations import job_prompt
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
@@ -46,6 +47,9 @@ class EnqueueStats:
     duplicates: int = 0
     rejected: int = 0
     chunks: int = 0
+    # Prompts already committed or dead-lettered though not among the job's ids (Redis
+    # lost them and `regen recover` rebuilt the ledger): recorded as enqueued, not queued.
+    already_settled: int = 0
     waiting: int = 0
     high_water: int = 0
     throttled: bool = False
@@ -83,6 +87,7 @@ class Enqueuer:
         self._job = job
         self._spec = job.spec
         self._publisher = ChunkPublisher(app, r, self._spec.name, self._spec.queue)
+        self._ledger = CommitLedger(r, self._spec.name)
         self._high_water = high_water
         self._on_progress = on_progress
         self._token_limit = self._spec.prompt_token_limit()
@@ -202,30 +207,53 @@ class Enqueuer:
         self._r.hset(keys.job_cursors(self._spec.name), mapping=mapping)
 
     def _drop_known(self, buffer: list[_Pending]) -> list[_Pending]:
-        """Drop prompts already in the job or earlier in this buffer (exact duplicates)."""
+        """Drop prompts already in the job or earlier in this buffer (exact duplicates),
+        and those already settled though Redis lost them from the job's ids."""
         if not buffer:
             return []
         ids = [item.id for item in buffer]
         known = self._r.smismember(keys.job_ids(self._spec.name), ids)
+        settled = self._settled([pid for pid, is_in in zip(ids, known, strict=True) if not is_in])
         seen: set[str] = set()
         fresh = []
         for item, pid, is_known in zip(buffer, ids, known, strict=True):
             if is_known or pid in seen:
                 self.stats.duplicates += 1
-                continue
+            elif pid in settled:
+                self.stats.already_settled += 1
+            else:
+                fresh.append(item)
             seen.add(pid)
-            fresh.append(item)
         return fresh
+
+    def _settled(self, ids: list[str]) -> set[str]:
+        """Of ids not in the job's id set, those committed to a shard or dead-lettered
+        (after `regen recover`); they are put back into the job's ids, so every place
+        they are in counts them, and are not queued again."""
+        committed = self._ledger.owner_of(ids)
+        dead = dlq.dead_lettered(self._r, self._spec.name, ids)
+        settled = [
+            pid for pid, shard, is_dead in zip(ids, committed, dead, strict=True)
+            if shard is not None or is_dead
+        ]  # fmt: skip
+        if settled:
+            self._r.sadd(keys.job_ids(self._spec.name), *settled)
+        return set(settled)
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
         messages, tools = item.prompt.messages, item.prompt.tools
+        too_large = self._job.too_large(messages)
+        if too_large is not None:
+            snippet = repr(messages)[:RAW_SNIPPET_CHARS]  # not the whole row: it can be huge
+            self._dead_letter_prompt(item, Reason.ROW_TOO_LARGE, too_large, {"row": snippet})
+            return None
         try:
             ids = chat_family.render_prompt_ids(
                 self._job.tokenizer, messages, self._spec.chat_template_kwargs, tools
             )
         except Exception as exc:  # a template that raises on this conversation
             self._dead_letter_prompt(
-                item, Reason.TEMPLATE_ERROR, f"chat template failed: {exc}", []
+                item, Reason.TEMPLATE_ERROR, f"chat template failed: {exc}", self._payload(item, [])
             )
             return None
         if self._token_limit is not None and len(ids) > self._token_limit:
@@ -238,7 +266,7 @@ class Enqueuer:
                     f"{self._spec.context_length} - max_new_tokens "
                     f"{self._spec.sampling['max_new_tokens']})"
                 ),
-                ids,
+                self._payload(item, ids),
             )
             return None
         return ChunkPrompt(
@@ -250,20 +278,24 @@ class Enqueuer:
             conversation=item.conversation,
         )
 
+    @staticmethod
+    def _payload(item: _Pending, prompt_ids: list[int]) -> dict[str, Any]:
+        """What a requeue of a refused prompt needs (`regen dlq requeue`)."""
+        return {
+            "messages": item.prompt.messages,
+            "tools": item.prompt.tools,
+            "prompt_tokens": len(prompt_ids),
+        }
+
     def _dead_letter_prompt(
-        self, item: _Pending, reason: Reason, message: str, prompt_ids: list[int]
+        self, item: _Pending, reason: Reason, message: str, payload: dict[str, Any]
     ) -> None:
         """A prompt the job refuses still belongs to the job: its id goes into the job's
         id set together with the DLQ entry, so it is accounted for (and not retried). A
         conversation's later turns wait behind its first, each with its own entry."""
         pid = item.id
-        payload: dict[str, Any] = {
-            "messages": item.prompt.messages,
-            "tools": item.prompt.tools,
-            "prompt_tokens": len(prompt_ids),
-        }
         if item.conversation is not None:
-            payload["conversation"] = item.conversation.to_dict()
+            payload = {**payload, "conversation": item.conversation.to_dict()}
         letter = dlq.DeadLetter(
             entry_id=pid,
             job=self._spec.name,
@@ -293,6 +325,18 @@ class Enqueuer:
                 return
             self._on_progress(self.stats)
             time.sleep(BACKPRESSURE_POLL_S)
+
+
+def reread_from_start(r: redis.Redis, job: str) -> int:
+    """Drop the job's resume cursors, so its next enqueue reads every file from the first
+    row (after `regen recover`: cursors restored from an older copy, or moved on by a
+    producer that kept running, can be past prompts Redis lost). Enqueued, committed and
+    dead-lettered prompts are skipped on the way. Returns how many cursors there were."""
+    pipe = r.pipeline()
+    pipe.hlen(keys.job_cursors(job))
+    pipe.delete(keys.job_cursors(job))
+    dropped, _ = pipe.execute()
+    return int(dropped)
 
 
 def expand_datasets(paths: list[str]) -> list[Path]:

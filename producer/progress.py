@@ -65,6 +65,19 @@ class ProgressDisplay:
 
 def summary(stats: EnqueueStats, job: str) -> str:
     lines = [f"job {job}: {_line(stats)}"]
+    if stats.already_settled:
+        lines.append(f"  in a shard or a DLQ, Redis had lost them: {stats.already_settled}")
     for reason, count in sorted(stats.rejected_by_reason.items()):
         lines.append(f"  rejected {reason}: {count}")
     return "\n".join(lines)
+
+
+def nothing_to_generate(stats: EnqueueStats, job: str, files: int) -> str:
+    """The warning for a job left with no prompt to generate after an enqueue."""
+    if not files:
+        why = "no dataset file found (a folder holds none of the supported suffixes)"
+    elif stats.rows_read == 0 and stats.rows_resumed == 0:
+        why = "the datasets hold no rows"
+    else:
+        why = f"none of the {stats.rows_read:,} rows read became a prompt to generate"
+    return f"warning: job {job} has no prompt to generate: {why}"

@@ -48,8 +48,8 @@ class PromptScan:
     rows_read: int = 0
     unique: int = 0
     duplicates: int = 0
-    # Rows that are no prompt (exact: every row is read) and, among the tokenized
-    # prompts, those the job refuses (template_error, prompt_too_long).
+    # Rows that are no prompt or too large to tokenize (exact: every row is read) and,
+    # among the tokenized prompts, those the job refuses (template_error, prompt_too_long).
     rejected_rows: dict[str, int] = field(default_factory=dict)
     rejected_tokenized: dict[str, int] = field(default_factory=dict)
     tokenized: int = 0
@@ -117,6 +117,9 @@ def scan_prompts(
                 scan.duplicates += 1
                 continue
             seen.add(key)
+            if job.too_large(prompt.messages) is not None:  # as enqueue: never tokenized
+                _count(scan.rejected_rows, Reason.ROW_TOO_LARGE)
+                continue
             scan.unique += 1
             source = {"file": str(path), "row": raw.row, "id": prompt.source_id}
             if sample is None:

@@ -73,6 +73,8 @@ class Reason(ReasonCode):
     # Rendering the prompt for the job (producer.enqueue; producer.prompt_scan counts).
     TEMPLATE_ERROR = "template_error"
     PROMPT_TOO_LONG = "prompt_too_long"
+    # Refused by its size in bytes before tokenizing (`--max-row-bytes`).
+    ROW_TOO_LARGE = "row_too_large"
     # A later turn of a conversation (`--turns all`) whose first turn was refused.
     BLOCKED = BLOCKED
 

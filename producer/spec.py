@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from regen.common import chat_family, defaults, keys, tokenizer
@@ -29,6 +30,21 @@ class JobOptions:
     context_length: int | None = None
     queue: str | None = None
     turns: str = TURNS_LAST
+    # Prompts with more bytes of text are refused before they are tokenized (None: the
+    # most that could fit the job's token limit, see PreparedJob.too_large).
+    max_row_bytes: int | None = None
+
+
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string in a message list (contents, and whatever else a chat
+    template renders): a lower bound of what the template turns into tokens."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, dict):
+        return sum(text_bytes(item) for item in value.values())
+    if isinstance(value, list):
+        return sum(text_bytes(item) for item in value)
+    return 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,30 @@ class PreparedJob:
     spec: JobSpec
     tokenizer: Any
     family: chat_family.ChatFamily
+    max_row_bytes: int | None = None
+
+    @cached_property
+    def _bytes_per_token(self) -> int:
+        return tokenizer.max_token_bytes(self.tokenizer)
+
+    def too_large(self, messages: list[dict[str, Any]]) -> str | None:
+        """Why a prompt is refused by its size alone, cheaply, before it is tokenized (a
+        50 MB row takes minutes to tokenize); None when it may fit. The bound is
+        --max-row-bytes, else the token limit times the most bytes one token of this
+        tokenizer stands for, so no prompt that fits is refused."""
+        size = text_bytes(messages)
+        limit = self.spec.prompt_token_limit()
+        if self.max_row_bytes is not None:
+            bound, why = self.max_row_bytes, "--max-row-bytes"
+        elif limit is None or size <= limit:  # a token is one byte or more: it may fit
+            return None
+        else:
+            per_token = self._bytes_per_token
+            bound = limit * per_token
+            why = f"{limit} tokens x {per_token} bytes, the most one token stands for"
+        if size <= bound:
+            return None
+        return f"prompt text is {size:,} bytes, over the {bound:,} that can fit ({why})"
 
 
 def sampling_params(options: JobOptions) -> dict[str, Any]:
@@ -79,4 +119,4 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         turns=options.turns,
         prompt_text=PROMPT_TEXT_AS_WRITTEN,
     )
-    return PreparedJob(spec=spec, tokenizer=tok, family=family)
+    return PreparedJob(spec=spec, tokenizer=tok, family=family, max_row_bytes=options.max_row_bytes)

@@ -7,12 +7,14 @@ import logging
 import os
 
 import click
+import redis
 
 from regen import (
     cli_demo,
     cli_dlq,
     cli_enqueue,
     cli_plan,
+    cli_recover,
     cli_redis,
     cli_shards,
     cli_status,
@@ -21,7 +23,23 @@ from regen import (
 from regen.common import settings
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Regen(click.Group):
+    """The `regen` group: a login Redis refuses is a one-line error in every command."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except redis.AuthenticationError as exc:
+            raise click.ClickException(
+                f"Redis refused the login ({exc}): check the user and password in "
+                "REGEN_REDIS_URL or --redis-url (redis://[USER]:PASSWORD@HOST:PORT/DB)"
+            ) from None
+
+
+@click.group(
+    cls=_Regen,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def main(verbose: int) -> None:
     """Regenerate assistant responses with a target LLM into token-exact drafter training
@@ -51,3 +69,4 @@ main.add_command(cli_dlq.dlq_group)
 main.add_command(cli_status.status)
 main.add_command(cli_status.verify)
 main.add_command(cli_demo.demo)
+main.add_command(cli_recover.recover)

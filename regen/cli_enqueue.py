@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from regen.common import connection, defaults, jobspec
+from regen.common import connection, defaults, jobspec, keys
 from regen.options import int_option, job_options, prepare_job_or_fail, redis_url_option
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def enqueue(
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.common.celery_app import make_app
     from regen.producer.enqueue import Enqueuer, expand_datasets
-    from regen.producer.progress import ProgressDisplay, summary
+    from regen.producer.progress import ProgressDisplay, nothing_to_generate, summary
 
     prepared = prepare_job_or_fail(options)
     url = connection.resolve_url(redis_url)
@@ -79,7 +79,10 @@ def enqueue(
         err=True,
     )
     enqueuer_app = make_app(url)
+    files = expand_datasets(list(datasets))
     with ProgressDisplay() as progress:
         enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water, on_progress=progress)
-        stats = enqueuer.run(expand_datasets(list(datasets)), limit=limit)
+        stats = enqueuer.run(files, limit=limit)
     click.echo(summary(stats, options.job))
+    if not r.hlen(keys.job_chunks(options.job)):  # no chunk ever published: nothing runs
+        click.echo(nothing_to_generate(stats, options.job, len(files)), err=True)

@@ -1,17 +1,20 @@
 """`regen shards stats|verify|export`: read what the tokenize stage wrote.
 
 DIR is a job folder (`OUT/JOB`, with `manifest.jsonl`) or a folder of job folders.
-These commands only read shards: no Redis, no tokenizer.
+These commands read shards, no tokenizer; `verify` also compares them with Redis when it
+can reach it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 import orjson
 
 from regen.consumers.tokenize.shard_files import READ_ERRORS
+from regen.options import redis_url_option
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 # What reading a damaged shard raises; verify says what is wrong with it.
@@ -57,19 +60,62 @@ def stats(directory: Path, as_json: bool) -> None:
 
 @shards_group.command()
 @click.argument("directory", type=_DIR)
-def verify(directory: Path) -> None:
+@click.option("--no-redis", is_flag=True, help="Check the files alone.")
+@redis_url_option
+def verify(directory: Path, no_redis: bool, redis_url: str | None) -> None:
     """Check checksums, sizes, the manifest, every record's schema, masks and counts,
-    and that no id appears twice in a job. Exit status 1 on any problem."""
+    and that no id appears twice in a job; with Redis reachable (--redis-url, or the
+    embedded one when it runs), also that Redis knows every shard and each id's shard,
+    for each job it holds. Exit status 1 on any problem."""
     from regen.ops.shards_inspect import job_folders
     from regen.ops.shards_inspect import verify as verify_shards
 
     problems = verify_shards(directory)
+    if not no_redis:
+        problems += _against_redis(directory, redis_url)
     for problem in problems:
         click.echo(str(problem))
     if problems:
         click.echo(f"{len(problems)} problem(s)", err=True)
         raise SystemExit(1)
     click.echo(f"ok: {len(job_folders(directory))} job(s) verified")
+
+
+def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
+    """Problems of the job folders against the ledgers of a reachable Redis."""
+    import redis
+
+    from regen.common import connection, jobspec, settings
+    from regen.common.embedded_redis import EmbeddedRedis
+    from regen.consumers.tokenize.commit import CommitLedger
+    from regen.ops.reconcile_shards import compare_folder
+    from regen.ops.shards_inspect import Problem, job_folders
+
+    url = redis_url or settings.current().redis_url
+    embedded = EmbeddedRedis.from_env()
+    if url is None and embedded.running():
+        url = embedded.url
+    if url is None:
+        click.echo("files checked alone: no Redis given (--redis-url) and none embedded running")
+        return []
+    r = connection.client(url)
+    try:
+        jobs = set(jobspec.list_jobs(r))
+    except redis.ConnectionError as exc:
+        click.echo(f"files checked alone: Redis at {connection.redact(url)} unreachable ({exc})")
+        return []
+    problems = []
+    for folder in job_folders(directory):
+        if folder.name not in jobs:
+            click.echo(f"{folder.name}: no such job in Redis at {connection.redact(url)}; "
+                       "files checked alone")  # fmt: skip
+            continue
+
+        def report(kind: str, subject: str, detail: str, job: str = folder.name) -> None:
+            problems.append(Problem(job, subject, kind, detail))
+
+        compare_folder(CommitLedger(r, folder.name), folder.name, folder, report)
+    return problems
 
 
 @shards_group.command()

@@ -230,9 +230,10 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
 def tokenize(options: TokenizeOptions, metrics_port: int | None, redis_url: str | None) -> None:
     """Write token-exact records of generated results into shard files under OUT/JOB."""
     from regen.common.metrics import MetricsPortError
+    from regen.consumers.tokenize.shard_files import UnwritableFolder
     from regen.consumers.tokenize.worker import run_worker as run_tokenize
 
     try:
         run_tokenize(redis_url, options, metrics_port=metrics_port)
-    except MetricsPortError as exc:
+    except (MetricsPortError, UnwritableFolder) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -22,7 +22,7 @@ import redis
 from rich.console import Console
 from rich.live import Live
 
-from regen.common import connection, defaults, jobspec
+from regen.common import connection, defaults, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.demo_report import show_record, show_summary
 from regen.ops.accounting import count_places
@@ -67,20 +67,21 @@ def sample_dataset() -> Path:
 
 
 class Workers:
-    """The demo's worker processes, logging to files, stopped warm at the end."""
+    """The demo's worker processes, logging to files, stopped warm at the end. They get
+    the Redis URL by environment (REGEN_REDIS_URL): arguments, a password in them
+    included, are visible to every user of the host (`ps`, /proc/PID/cmdline)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, redis_url: str) -> None:
         self._log_dir = log_dir
+        self._redis_url = redis_url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, args: list[str]) -> None:
         log = open(self._log_dir / f"{name}.log", "wb")  # noqa: SIM115 (owned by the process)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", settings.REDIS_URL_VARIABLE: self._redis_url}
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "regen", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [sys.executable, "-m", "regen", *args], stdout=log, stderr=subprocess.STDOUT, env=env
         )
 
     def check(self) -> None:
@@ -121,8 +122,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
         stats = enqueuer.run([dataset])
     console.print(summary(stats, job))
 
-    workers = Workers(options.out_dir / "logs" / job)
-    common_args = ["--redis-url", url, "--jobs", job]
+    workers = Workers(options.out_dir / "logs" / job, url)
+    common_args = ["--jobs", job]
     engine_args = ["--engine", options.engine]
     if options.engine == "local":
         engine_args += ["--model", model]

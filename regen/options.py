@@ -169,6 +169,12 @@ TARGET = (
         help="The server's context length (default: from the model's config).",
     ),
     click.option(
+        "--max-row-bytes",
+        type=click.IntRange(min=1),
+        help="Prompts with more bytes of text go to the input DLQ untokenized "
+        "(default: the most that could fit the prompt token limit).",
+    ),
+    click.option(
         "--turns",
         type=click.Choice(TURN_MODES),
         default=TURNS_LAST,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from regen.common.embedded_redis import EmbeddedRedis
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.shards_inspect import verify
 from tests.generate_harness import REPO
-from tests.redis_server import free_port
+from tests.redis_server import free_port, running_redis
 from tests.sglang_standin.process import run_standin
 
 pytestmark = pytest.mark.slow
@@ -65,3 +66,42 @@ def test_the_demo_on_the_local_engine(tmp_path: Path) -> None:
     stdout, folder = run_demo(tmp_path, "--max-new-tokens", "96")
     check_output(stdout, folder)
     assert "engine local" in stdout
+
+
+def children_cmdlines(pid: int) -> list[str]:
+    """The command lines of a process's children, as any user of the host sees them."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # the process has ended
+        return []
+    lines = []
+    for child in children:
+        try:
+            lines.append(Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # ended meanwhile
+            continue
+    return lines
+
+
+def test_the_demo_keeps_the_redis_password_out_of_worker_command_lines(tmp_path: Path) -> None:
+    secret = "demo-s3cret-pw"
+    with (
+        running_redis(tmp_path / "redis", "--requirepass", secret) as redis_server,
+        run_standin() as server,
+    ):
+        env = {**os.environ, "REGEN_HOME": str(tmp_path / "home"), "COLUMNS": "120",
+               "REGEN_REDIS_URL": f"redis://:{secret}@127.0.0.1:{redis_server.port}/0"}  # fmt: skip
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "regen", "demo", "--out", str(tmp_path / "out"),
+             "--engine", "sglang", "--server", server.url],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        seen: set[str] = set()
+        while demo.poll() is None:  # the workers live while the job runs
+            seen.update(line for line in children_cmdlines(demo.pid) if " worker " in line)
+            time.sleep(0.05)
+        output = demo.stdout.read() if demo.stdout else ""
+    assert demo.returncode == 0, output[-3000:]
+    assert {"generate", "tokenize"} <= {line.split(" worker ")[1].split()[0] for line in seen}
+    assert not [line for line in seen if secret in line], "a password in a worker's argv"
+    assert secret not in output

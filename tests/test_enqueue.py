@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +246,77 @@ def test_an_older_job_keeps_rendering_stripped_text(
     enqueue(redis_url, [path], job="new")
     (new,) = queued_prompts(r, "new")
     assert new["id"] == prompt["id"] and new["messages"][0]["content"] == CODE_ROW["prompt"]
+
+
+def test_a_row_too_large_to_fit_is_refused_before_it_is_tokenized(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    # 5 MB of text: over the most SmolLM2's ~8K-token prompt limit can hold (~81 bytes a
+    # token at most), so it is refused by its size; tokenizing it would take seconds.
+    huge = "lorem ipsum " * 440_000
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "short"}, {"prompt": huge}])
+    started = time.monotonic()
+    stats = enqueue(redis_url, [path])
+    assert (stats.enqueued, stats.rejected_by_reason) == (1, {"row_too_large": 1})
+    assert time.monotonic() - started < 30
+    (letter,) = list(dlq.entries(r, "j", "input"))
+    counted = len(huge) + len("user")  # the text as written, and its role
+    assert letter.reason == "row_too_large" and f"{counted:,} bytes" in letter.message
+    assert len(letter.to_json()) < 10_000, "the DLQ keeps a snippet, not the row"
+    assert r.sismember(keys.job_ids("j"), letter.prompt_id)
+
+    # An explicit bound, in plan and enqueue alike.
+    rows = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "tiny"}, {"prompt": "x" * 2000}])
+    args = ["--model", "smollm2", "--max-new-tokens", "64", "--max-row-bytes", "1000"]
+    plan = CliRunner().invoke(main, ["plan", str(rows), *args, "--json"])
+    assert plan.exit_code == 0, plan.output
+    assert orjson.loads(plan.output)["rejected"] == {"row_too_large": 1}
+    result = CliRunner().invoke(
+        main, ["enqueue", str(rows), "--job", "k", *args, "--redis-url", redis_url]
+    )
+    assert result.exit_code == 0, result.output
+    assert "rejected row_too_large: 1" in result.output
+    assert "--max-row-bytes" in next(dlq.entries(r, "k", "input")).message
+
+
+def test_an_empty_dataset_warns_that_the_job_has_nothing_to_generate(
+    redis_url: str, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    result = CliRunner().invoke(main, [
+        "enqueue", str(empty), "--job", "e", "--model", "smollm2", "--max-new-tokens", "64",
+        "--redis-url", redis_url,
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "warning: job e has no prompt to generate: the datasets hold no rows" in result.output
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"nothing": "usable"}])
+    result = CliRunner().invoke(main, [
+        "enqueue", str(bad), "--job", "e2", "--model", "smollm2", "--max-new-tokens", "64",
+        "--redis-url", redis_url,
+    ])  # fmt: skip
+    assert "none of the 1 rows read became a prompt" in result.output
+    full = write_jsonl(tmp_path / "full.jsonl", user_rows(2))
+    result = CliRunner().invoke(main, [
+        "enqueue", str(full), "--job", "e3", "--model", "smollm2", "--max-new-tokens", "64",
+        "--redis-url", redis_url,
+    ])  # fmt: skip
+    assert "warning" not in result.output
+
+
+def test_a_truncated_zst_enqueues_its_readable_rows_and_dead_letters_the_cut(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    # Varied text compresses into several zstd blocks; the cut falls inside a later one.
+    rows = [{"prompt": f"Question {i}: {os.urandom(150).hex()}"} for i in range(1000)]
+    data = zstandard.ZstdCompressor().compress(b"".join(orjson.dumps(x) + b"\n" for x in rows))
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    stats = enqueue(redis_url, [path])
+    assert stats.enqueued > 300, "the rows of the whole blocks before the cut are enqueued"
+    assert stats.rejected_by_reason == {"corrupt_file": 1}
+    (letter,) = list(dlq.entries(r, "j", "input"))
+    assert letter.source is not None and letter.source["row"] == stats.enqueued + 1
+    assert "whole block" in letter.message
+    queued = {p["messages"][0]["content"] for p in queued_prompts(r)}
+    assert queued == {row["prompt"] for row in rows[: stats.enqueued]}

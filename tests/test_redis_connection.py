@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,31 @@ def test_a_password_url_works_and_never_shows(tmp_path: Path) -> None:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=server.port, password="wrong").ping()
         assert redis.Redis.from_url(url).scard("regen:job:p:ids") == 5
+
+
+def test_a_refused_login_is_one_clear_line_in_every_command(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", user_rows(2))
+    commands = [
+        ["status"],
+        ["enqueue", str(data), "--job", "p", "--model", "smollm2", "--max-new-tokens", "16"],
+        ["worker", "tokenize", "--out", str(tmp_path / "out")],
+        ["worker", "generate", "--engine", "sglang", "--server", "http://127.0.0.1:9"],
+    ]
+    with running_redis(tmp_path / "redis", "--requirepass", SECRET) as server:
+        for password in ("wrong-one", None):  # a wrong password, and none at all
+            auth = f":{password}@" if password else ""
+            url = f"redis://{auth}127.0.0.1:{server.port}/0"
+            for command in commands:
+                done = subprocess.run(
+                    [sys.executable, "-m", "regen", *command],
+                    env={**os.environ, "PYTHONPATH": str(REPO), "REGEN_REDIS_URL": url},
+                    capture_output=True, text=True, cwd=REPO, timeout=300,
+                )  # fmt: skip
+                errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+                assert done.returncode == 1, (command, done.stderr)
+                assert "Traceback" not in done.stderr, (command, done.stderr)
+                assert len(errors) == 1 and "Redis refused the login" in errors[0], done.stderr
+                assert password is None or password not in done.stdout + done.stderr
 
 
 def _tls_capable(binary: str) -> bool:

@@ -210,3 +210,18 @@ def test_low_disk_pauses_the_stage_and_it_resumes(
     assert sorted(shard_ids(out / "t")) == sorted(
         make_result(smollm2_tokenizer, spec, i).id for i in range(30)
     )
+
+
+def test_an_unwritable_out_folder_is_one_clear_line(redis_url: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    done = subprocess.run(
+        [sys.executable, "-m", "regen", "worker", "tokenize", "--out", str(blocker / "out"),
+         "--redis-url", redis_url],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        done.stderr.strip() == f"Error: cannot write shards to {blocker / 'out'}: Not a directory"
+    )

@@ -16,7 +16,7 @@ one has its claims released so its results, still unacked on the stream, are wri
 again. Either way no id is ever in two shards, and none is lost.
 
 The ledger is the one reader and writer of these keys (`committed`, the pending and
-placed shard hashes, the shard counter, the progress samples): `regen status` and
+placed shard hashes, the shard counter, the epoch, the progress samples): `regen status` and
 `regen verify` read them through its read methods and COUNT_LUA, so the pending-claim
 JSON and the key names are known here alone.
 """
@@ -55,36 +55,84 @@ return {}
 # more than `regen status` needs for its rate window.
 PROGRESS_SAMPLES = 1000
 
-# KEYS: pending, shards, stream, dlq generate, dlq tokenize, counters, progress
+# KEYS: pending, shards, stream, dlq generate, dlq tokenize, counters, progress (+ more
+# for a script that needs them). record() moves a shard from pending to the shard list,
+# acks and deletes its stream entries (ARGV[e_first..e_last]) and drops the dead letters
+# of its ids (ARGV[i_first..i_last]). The counters and the progress sample move only when
+# the shard is new to the shard list: a recovery may record a shard again, and must not
+# count it twice. Returns 1 when the shard was new to the list.
+_RECORD_LUA = f"""
+local function record(shard, row, group, e_first, e_last, i_first, i_last)
+  redis.call('HDEL', KEYS[1], shard)
+  local new = redis.call('HSET', KEYS[2], shard, row)
+  if new == 1 then
+    local info = cjson.decode(row)
+    local prompts = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_PROMPTS}',
+                               i_last - i_first + 1)
+    local tokens = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_OUTPUT_TOKENS}',
+                              info['completion_tokens'])
+    redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_SHARD_BYTES}', info['compressed_bytes'])
+    local t = redis.call('TIME')
+    local sample = string.format('[%s.%06d,%d,%d]', t[1], tonumber(t[2]), prompts, tokens)
+    redis.call('LPUSH', KEYS[7], sample)
+    redis.call('LTRIM', KEYS[7], 0, {PROGRESS_SAMPLES - 1})
+  end
+  for i = e_first, e_last do
+    redis.call('XACK', KEYS[3], group, ARGV[i])
+    redis.call('XDEL', KEYS[3], ARGV[i])
+  end
+  for i = i_first, i_last do
+    redis.call('HDEL', KEYS[4], ARGV[i])
+    redis.call('HDEL', KEYS[5], ARGV[i])
+  end
+  return new
+end
+"""
+
 # ARGV: shard, manifest row, group, n entries, entries..., ids...
-# The counters and the progress sample move only when the shard is new to the shard
-# list: a recovery may finalize a shard again, and must not count it twice.
-_FINALIZE_LUA = f"""
+_FINALIZE_LUA = (
+    _RECORD_LUA
+    + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0
 then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
 local n = tonumber(ARGV[4])
-if redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) == 1 then
-  local row = cjson.decode(ARGV[2])
-  local prompts = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_PROMPTS}', #ARGV - 4 - n)
-  local tokens = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_OUTPUT_TOKENS}',
-                            row['completion_tokens'])
-  redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_SHARD_BYTES}', row['compressed_bytes'])
-  local t = redis.call('TIME')
-  local sample = string.format('[%s.%06d,%d,%d]', t[1], tonumber(t[2]), prompts, tokens)
-  redis.call('LPUSH', KEYS[7], sample)
-  redis.call('LTRIM', KEYS[7], 0, {PROGRESS_SAMPLES - 1})
-end
-for i = 5, 4 + n do
-  redis.call('XACK', KEYS[3], ARGV[3], ARGV[i])
-  redis.call('XDEL', KEYS[3], ARGV[i])
-end
-for i = 5 + n, #ARGV do
-  redis.call('HDEL', KEYS[4], ARGV[i])
-  redis.call('HDEL', KEYS[5], ARGV[i])
-end
+record(ARGV[1], ARGV[2], ARGV[3], 5, 4 + n, 5 + n, #ARGV)
 return 1
 """
+)
+
+# `regen recover`: a shard on disk that Redis lost (or never finalized) is recorded as
+# its writer would have. KEYS[8]: committed. ARGV: shard, manifest row, n remapped,
+# remapped ids..., the shard's other ids. Remapped ids (free, or on a shard not on disk)
+# are mapped to it; its ids are all of them.
+_RESTORE_LUA = (
+    _RECORD_LUA
+    + """
+local n = tonumber(ARGV[3])
+for i = 4, 3 + n do redis.call('HSET', KEYS[8], ARGV[i], ARGV[1]) end
+return record(ARGV[1], ARGV[2], '', 1, 0, 4, #ARGV)
+"""
+)
+
+# KEYS: shards, pending; ARGV: shard names. The names in neither.
+_UNKNOWN_LUA = """
+local unknown = {}
+for i = 1, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0
+  then table.insert(unknown, ARGV[i]) end
+end
+return unknown
+"""
+
+# KEYS: a counter; ARGV: a floor, and 1 to go one above it. Returns {before, after}.
+_RAISE_LUA = """
+local before = tonumber(redis.call('GET', KEYS[1]) or '0')
+local after = math.max(before, tonumber(ARGV[1])) + tonumber(ARGV[2])
+if after ~= before then redis.call('SET', KEYS[1], after) end
+return {before, after}
+"""
+# Names per _UNKNOWN_LUA call: keeps each call short.
+_NAMES_BATCH = 1000
 
 # For a read script of an operator command that counts the ledger in the same atomic
 # reading as other keys (ops/accounting.count_places): prepend it to the script and call
@@ -152,6 +200,9 @@ class CommitLedger:
         self._job = job
         self._claim = r.register_script(_CLAIM_LUA)
         self._finalize = r.register_script(_FINALIZE_LUA)
+        self._restore = r.register_script(_RESTORE_LUA)
+        self._unknown = r.register_script(_UNKNOWN_LUA)
+        self._raise = r.register_script(_RAISE_LUA)
         self._release = r.register_script(_RELEASE_LUA)
         self._count = r.register_script(_COUNT_ONLY_LUA)
 
@@ -179,18 +230,22 @@ class CommitLedger:
         )
         return [t.decode() for t in taken], record
 
-    def finalize(self, shard: str, manifest_row: bytes, entries: list[str], ids: list[str]) -> bool:
+    def _record_keys(self) -> list[str]:
+        """The KEYS of _RECORD_LUA, in order."""
         job = self._job
+        return [
+            keys.pending_shards(job),
+            keys.shards(job),
+            keys.results_stream(job),
+            keys.dlq(job, "generate"),
+            keys.dlq(job, "tokenize"),
+            keys.job_counters(job),
+            keys.job_progress(job),
+        ]
+
+    def finalize(self, shard: str, manifest_row: bytes, entries: list[str], ids: list[str]) -> bool:
         done = self._finalize(
-            keys=[
-                keys.pending_shards(job),
-                keys.shards(job),
-                keys.results_stream(job),
-                keys.dlq(job, "generate"),
-                keys.dlq(job, "tokenize"),
-                keys.job_counters(job),
-                keys.job_progress(job),
-            ],
+            keys=self._record_keys(),
             args=[shard, manifest_row, keys.TOKENIZE_GROUP, len(entries), *entries, *ids],
         )
         return bool(done)
@@ -202,6 +257,50 @@ class CommitLedger:
             args=[pending.shard, owner or "", *pending.ids],
         )
         return bool(done)
+
+    # --- the ledger against the disk (consumers/tokenize/disk_truth.py, `regen recover`) --
+
+    def epoch(self) -> int:
+        """The ledger's epoch (keys.job_epoch): 0 before the job's first shard, and in a
+        Redis that lost it."""
+        return int(self._r.get(keys.job_epoch(self._job)) or 0)
+
+    def start_epoch(self) -> int:
+        """Epoch 1 at the job's first shard, unless one is set; returns the epoch."""
+        self._r.set(keys.job_epoch(self._job), 1, nx=True)
+        return self.epoch()
+
+    def raise_epoch(self, above: int) -> tuple[int, int]:
+        """(before, after): a new epoch, one above both the ledger's and `above`."""
+        before, after = self._raise(keys=[keys.job_epoch(self._job)], args=[above, 1])
+        return int(before), int(after)
+
+    def raise_shard_seq(self, at_least: int) -> tuple[int, int]:
+        """(before, after): the shard counter moved up to `at_least` if it was below, so
+        the next shard number is new on disk."""
+        before, after = self._raise(keys=[keys.shard_seq(self._job)], args=[at_least, 0])
+        return int(before), int(after)
+
+    def unknown_shards(self, names: list[str]) -> list[str]:
+        """The shard names neither in place nor pending here: on disk, `names` are shards
+        this ledger has lost."""
+        lua_keys = [keys.shards(self._job), keys.pending_shards(self._job)]
+        unknown: list[str] = []
+        for start in range(0, len(names), _NAMES_BATCH):
+            found = self._unknown(keys=lua_keys, args=names[start : start + _NAMES_BATCH])
+            unknown += [name.decode() for name in found]
+        return unknown
+
+    def restore(self, shard: str, manifest_row: bytes, remap: list[str], ids: list[str]) -> bool:
+        """Record a shard found on disk as committed: `remap` (ids free, or committed to a
+        shard that is not on disk) are mapped to it, and it is finalized with all its
+        `ids` (those in `remap` included), as its writer would have. True when the shard
+        was new to the shard list."""
+        remapped = set(remap)
+        others = [pid for pid in ids if pid not in remapped]
+        args: list[str | bytes | int] = [shard, manifest_row, len(remap), *remap, *others]
+        lua_keys = [*self._record_keys(), keys.committed(self._job)]
+        return bool(self._restore(keys=lua_keys, args=args))
 
     # --- reads of the operator commands (`regen status`, `regen verify`) ---------------
 

@@ -22,8 +22,11 @@ from regen.common import defaults, jobspec, keys, settings
 from regen.common.chat_family import detect_family
 from regen.common.connection import bytes_hash
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
+from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.disk_truth import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.record import RecordContext
+from regen.consumers.tokenize.shard_files import check_writable
 
 log = logging.getLogger("regen.tokenize")
 
@@ -53,6 +56,8 @@ class ConsumerState:
     paused_for_disk: bool = False
     free_bytes: int = 0
     writers: dict[str, JobWriter] = field(default_factory=dict)
+    # Jobs not written because Redis is behind their shard folder: job -> why, and the fix.
+    behind: dict[str, str] = field(default_factory=dict)
 
 
 def free_bytes(folder: Path) -> int:
@@ -70,7 +75,7 @@ class TokenizeConsumer:
         self._next_recover = 0.0
         self._next_claim = 0.0
         self._refused: set[str] = set()
-        options.out_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(options.out_dir)  # raises UnwritableFolder, before any Redis work
         self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
 
     # --- jobs ----------------------------------------------------------------------
@@ -79,11 +84,20 @@ class TokenizeConsumer:
         wanted = self._options.jobs or jobspec.list_jobs(self._r)
         for job in wanted:
             if job not in self.state.writers and job not in self._refused:
-                writer = self._open_job(job)
+                try:
+                    writer = self._open_job(job)
+                except RedisBehind as exc:
+                    self._note_behind(job, exc)
+                    continue
+                self.state.behind.pop(job, None)
                 if writer is not None:
                     self.state.writers[job] = writer
+                    self._take_own_pending(writer)
 
     def _open_job(self, job: str) -> JobWriter | None:
+        folder = self._options.out_dir / job
+        # Checked before the tokenizer loads: a job whose Redis is behind is retried often.
+        ensure_current(CommitLedger(self._r, job), job, folder, manifest_epoch(folder))
         spec = jobspec.load(self._r, job)
         try:
             tok = load_job_tokenizer(spec)
@@ -99,7 +113,6 @@ class TokenizeConsumer:
             on_truncated=self._options.on_truncated,
             drift_check=self._options.drift_check,
         )
-        folder = self._options.out_dir / job
         try:
             self._r.xgroup_create(
                 keys.results_stream(job), keys.TOKENIZE_GROUP, id="0", mkstream=True
@@ -145,8 +158,11 @@ class TokenizeConsumer:
             self._next_recover = now + RECOVER_INTERVAL_S
             self._refresh_jobs()
             live = self._live_owners()
-            for writer in self.state.writers.values():
-                writer.recover(live)
+            for writer in list(self.state.writers.values()):
+                try:
+                    writer.recover(live)
+                except RedisBehind as exc:
+                    self._stop_writing(writer, exc)
         if not self._disk_ok():
             time.sleep(DISK_POLL_S)
             return
@@ -159,7 +175,7 @@ class TokenizeConsumer:
             self._take_over_idle()
         self._read()
         now = time.monotonic()
-        for job, writer in self.state.writers.items():
+        for job, writer in list(self.state.writers.items()):
             if writer.due(now - self._last_seen[job]):
                 self._commit(writer)
 
@@ -190,12 +206,45 @@ class TokenizeConsumer:
         except OSError as exc:  # disk full mid-write: drop the shard, pause, retry later
             log.error("%s: writing failed (%s); abandoning the open shard", writer.job, exc)
             writer.abandon()
+        except RedisBehind as exc:
+            self._stop_writing(writer, exc)
+
+    def _take_own_pending(self, writer: JobWriter) -> None:
+        """Entries this consumer read and left unacknowledged (in a job it stopped writing
+        while Redis was behind) are read again from its own pending list."""
+        cursor = "0-0"
+        while writer.job in self.state.writers:
+            reply = cast(
+                "list[list[Any]] | None",
+                self._r.xreadgroup(
+                    keys.TOKENIZE_GROUP, self.name, {writer.stream: cursor},
+                    count=self._options.batch,
+                ),
+            )  # fmt: skip
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return
+            self._take(writer, entries)
+            last = entries[-1][0]
+            cursor = last.decode() if isinstance(last, bytes) else last
+
+    def _stop_writing(self, writer: JobWriter, exc: RedisBehind) -> None:
+        """Redis is behind the job's shard folder: drop the job's open shard and its
+        writer (its results stay unacknowledged) until `regen recover` rebuilt the
+        ledger; each job refresh tries it again."""
+        writer.abandon()
+        self.state.writers.pop(writer.job, None)
+        self._note_behind(writer.job, exc)
+
+    def _note_behind(self, job: str, exc: RedisBehind) -> None:
+        self.state.behind[job] = str(exc)
+        log.error("%s", exc)
 
     def _take_over_idle(self) -> None:
         idle_ms = int(self._options.claim_idle_s * 1000)
-        for writer in self.state.writers.values():
+        for writer in list(self.state.writers.values()):
             cursor = "0-0"
-            while True:
+            while writer.job in self.state.writers:
                 reply = self._r.xautoclaim(
                     writer.stream,
                     keys.TOKENIZE_GROUP,
@@ -222,9 +271,11 @@ class TokenizeConsumer:
         except OSError as exc:
             log.error("%s: committing failed (%s); its results come back", writer.job, exc)
             writer.abandon()
+        except RedisBehind as exc:
+            self._stop_writing(writer, exc)
 
     def commit_all(self) -> None:
-        for writer in self.state.writers.values():
+        for writer in list(self.state.writers.values()):
             self._commit(writer)
 
     def _disk_ok(self) -> bool:

@@ -1,10 +1,14 @@
 """One job's side of a tokenize consumer: results in, records into shards, commits out.
 
 Stream entries are acknowledged only when the shard holding their record is in place
-and committed (docs/design.md, Exactly-once commits), or at once when their id is already in a
-committed shard (a duplicate from a chunk that ran twice). An entry whose id is claimed
-by a shard that is still pending is left alone: it is either committed (then a later
-delivery is a duplicate) or released (then it is written again).
+and committed (docs/design.md, Exactly-once commits), or at once when their id is
+already in a committed shard (a duplicate from a chunk that ran twice). An entry whose id
+is claimed by a shard that is still pending is left alone: it is either committed (then
+a later delivery is a duplicate) or released (then it is written again).
+
+The disk is the truth for committed shards: a writer checks that Redis knows every
+shard of its folder when it opens the job and before each commit, never takes a shard
+name already on disk, and raises RedisBehind (disk_truth.py) instead of writing on.
 """
 
 from __future__ import annotations
@@ -19,9 +23,16 @@ import redis
 from regen.common import crashpoints, defaults, dlq, keys
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
+from regen.consumers.tokenize.disk_truth import (
+    RedisBehind,
+    behind_error,
+    ensure_current,
+    manifest_epoch,
+)
 from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
 from regen.consumers.tokenize.shard_files import (
     OpenShard,
+    ShardExists,
     append_manifest,
     describe,
     leftover_owner,
@@ -82,6 +93,10 @@ class JobWriter:
         # Stream entries per id in the open shard, acked when it commits.
         self._entries: dict[str, list[str]] = {}
         folder.mkdir(parents=True, exist_ok=True)
+        # Refuses a Redis that lost shards of this folder (RedisBehind); the job's first
+        # shard starts epoch 1.
+        epoch = ensure_current(self._ledger, job, folder, manifest_epoch(folder))
+        self._epoch = epoch or self._ledger.start_epoch()
 
     @property
     def stream(self) -> str:
@@ -131,7 +146,9 @@ class JobWriter:
             return
         if self._shard is None:
             name = shard_name(self._ledger.next_shard_seq())
-            self._shard = OpenShard(self.folder, name, self.owner)
+            if (self.folder / name).exists():
+                raise behind_error(self.job, self.folder, f"its counter gave out {name} again")
+            self._shard = OpenShard(self.folder, name, self.owner, epoch=self._epoch)
         self._shard.add(record)
         crashpoints.hit("tokenize.mid_shard")
         self._entries[result.id] = [entry_id]
@@ -187,6 +204,11 @@ class JobWriter:
         policy = self._policy
         return self._full() or shard.age_s() >= policy.max_age_s or idle_for_s >= policy.idle_s
 
+    def _check_disk(self) -> None:
+        """Raise RedisBehind when Redis lost shards of the folder or its epoch went back;
+        take up a newer epoch (`regen recover` ran)."""
+        self._epoch = ensure_current(self._ledger, self.job, self.folder, self._epoch)
+
     def commit(self) -> None:
         """Close the open shard and commit it (see commit.py for the protocol)."""
         shard, self._shard = self._shard, None
@@ -194,6 +216,11 @@ class JobWriter:
         if shard is None:
             return
         info = shard.close_durably()
+        try:
+            self._check_disk()  # before the claim: a Redis behind would free ids on disk
+        except RedisBehind:
+            shard.abort()  # its entries stay unacknowledged
+            raise
         while True:
             taken, claim = self._ledger.claim(shard.name, self.owner, sorted(shard.ids))
             if not taken:
@@ -213,7 +240,12 @@ class JobWriter:
             log.warning("shard %s of %s abandoned: claim lease ran short", shard.name, self.job)
             return
         crashpoints.hit("tokenize.after_claim")
-        place(self.folder, info, self.owner)
+        try:
+            place(self.folder, info, self.owner)
+        except ShardExists:
+            self._ledger.release(claim, owner=self.owner)
+            shard.abort()
+            raise behind_error(self.job, self.folder, f"{shard.name} is already on disk") from None
         crashpoints.hit("tokenize.after_place")
         acked = [e for pid in shard.ids for e in entries.get(pid, [])]
         self._ledger.finalize(shard.name, info.to_json(), acked, sorted(shard.ids))
@@ -239,8 +271,11 @@ class JobWriter:
         """Resolve expired pending shards and remove dead writers' temporary files.
 
         Reads the pending records and lists the folder: its cost does not grow with the
-        shards' content (only a shard whose manifest line was torn is re-read).
+        shards' content (only a shard whose manifest line was torn is re-read). Raises
+        RedisBehind first when Redis is behind the folder: a claim it lost must not be
+        released.
         """
+        self._check_disk()
         pending = self._ledger.pending()
         for claim in pending.values():
             if claim.expired():
@@ -257,7 +292,7 @@ class JobWriter:
         final = self.folder / claim.shard
         if final.exists():
             manifest = read_manifest(self.folder).shards
-            info = manifest.get(claim.shard) or describe(final)
+            info = manifest.get(claim.shard) or describe(final, self._epoch)
             if claim.shard not in manifest:
                 append_manifest(self.folder, info)
             self._ledger.finalize(claim.shard, info.to_json(), [], claim.ids)

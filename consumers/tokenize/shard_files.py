@@ -6,15 +6,19 @@ and recovery read through it, so a change of format is made here alone.
 
 A shard is zstd-compressed JSON Lines written with orjson. It is streamed to a hidden
 temporary name while open (memory stays flat however large it grows), fsynced, then
-renamed into place and the folder fsynced, so a reader never sees a partial shard. Each
-shard in place has a line in `manifest.jsonl` (rows, tokens, bytes, sha256), appended and
-fsynced after the rename; recovery re-derives a missing line from the shard itself.
+linked into place and the folder fsynced, so a reader never sees a partial shard. A name
+already on disk is never replaced: the disk is the truth for committed shards, and a
+Redis restored from an older copy can hand out a shard number again (ShardExists). Each
+shard in place has a line in `manifest.jsonl` (rows, tokens, bytes, sha256, the ledger
+epoch), appended and fsynced after the link; recovery re-derives a missing line from the
+shard itself.
 Shards are read with the one zstd reader (common/zstd_reader.py), so a shard cut short
 raises TruncatedFrame rather than reading short.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -48,6 +52,13 @@ _ID_WITHIN = 256
 
 def shard_name(seq: int) -> str:
     return f"{_SHARD_PREFIX}{seq:06d}{_SHARD_SUFFIX}"
+
+
+def shard_number(name: str) -> int | None:
+    """The sequence number in a shard's name (None for any other name)."""
+    digits = name.removeprefix(_SHARD_PREFIX).removesuffix(_SHARD_SUFFIX)
+    is_shard = name.startswith(_SHARD_PREFIX) and name.endswith(_SHARD_SUFFIX)
+    return int(digits) if is_shard and digits.isdigit() else None
 
 
 def shard_paths(folder: Path) -> list[Path]:
@@ -84,6 +95,22 @@ def leftover_owner(path: Path) -> str | None:
     return name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
 
 
+class UnwritableFolder(Exception):
+    """The shard folder cannot be created or written; the message says why."""
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` and write a file in it, or raise UnwritableFolder: a worker says
+    so when it starts, not at its first shard."""
+    probe = folder / f".write-test.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UnwritableFolder(f"cannot write shards to {folder}: {exc.strerror or exc}") from None
+
+
 def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -104,6 +131,9 @@ class ShardInfo:
     compressed_bytes: int
     sha256: str
     created: float
+    # The job's ledger epoch (keys.job_epoch) when the shard was written; 0 in manifests
+    # written before epochs existed.
+    epoch: int = 0
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -112,10 +142,13 @@ class ShardInfo:
 class OpenShard:
     """A shard being written: records stream through zstd into the temporary file."""
 
-    def __init__(self, folder: Path, name: str, owner: str, path: Path | None = None) -> None:
+    def __init__(
+        self, folder: Path, name: str, owner: str, path: Path | None = None, *, epoch: int = 0
+    ) -> None:
         self.folder = folder
         self.name = name
         self.owner = owner
+        self.epoch = epoch
         self.path = path or tmp_path(folder, name, owner)
         self.opened = time.monotonic()
         self.ids: set[str] = set()
@@ -157,6 +190,7 @@ class OpenShard:
             compressed_bytes=size,
             sha256=self._hash.hexdigest(),
             created=time.time(),
+            epoch=self.epoch,
         )
 
     def abort(self) -> None:
@@ -186,7 +220,7 @@ def rewrite_without(shard: OpenShard, drop: set[str]) -> ShardInfo:
     Rare: only when two consumers held the same id at once.
     """
     staging = shard.path.with_name(shard.path.name + REWRITE_SUFFIX)
-    fresh = OpenShard(shard.folder, shard.name, shard.owner, path=staging)
+    fresh = OpenShard(shard.folder, shard.name, shard.owner, path=staging, epoch=shard.epoch)
     for record in iter_records(shard.path):
         if record["id"] not in drop:
             fresh.add(record)
@@ -196,14 +230,47 @@ def rewrite_without(shard: OpenShard, drop: set[str]) -> ShardInfo:
     return info
 
 
+class ShardExists(FileExistsError):
+    """A shard name already taken on disk: shards in place are never replaced."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(errno.EEXIST, "a shard of this name is already on disk", str(path))
+        self.path = path
+
+
+# What os.link raises on a filesystem without hard links.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
+
+
 def place(folder: Path, info: ShardInfo, owner: str) -> Path:
-    """Rename a durably closed shard into place and record it in the manifest."""
+    """Move a durably closed shard into place and record it in the manifest; raises
+    ShardExists, leaving everything as it was, when the name is taken."""
     final = folder / info.shard
-    os.replace(tmp_path(folder, info.shard, owner), final)
+    _link_new(tmp_path(folder, info.shard, owner), final)
     fsync_dir(folder)
     crashpoints.hit("tokenize.after_rename")
     append_manifest(folder, info)
     return final
+
+
+def _link_new(tmp: Path, final: Path) -> None:
+    """Give `tmp` the name `final` only when no file has it: link() refuses an existing
+    name where rename() would replace it. A crash between the link and the unlink leaves
+    the temp name too, which leftover cleanup removes."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise ShardExists(final) from None
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        # No hard links here: check, then rename. Only a second writer given the same
+        # name at the same instant could slip between the two.
+        if final.exists():
+            raise ShardExists(final) from None
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)
 
 
 def append_manifest(folder: Path, info: ShardInfo) -> None:
@@ -264,8 +331,9 @@ def iter_ids(path: Path) -> Iterator[str]:
             yield found.group(1).decode() if found else str(orjson.loads(line)["id"])
 
 
-def describe(path: Path) -> ShardInfo:
-    """A manifest line rebuilt from a shard in place (recovery after a crash mid-append)."""
+def describe(path: Path, epoch: int) -> ShardInfo:
+    """A manifest line rebuilt from a shard in place (recovery after a crash mid-append);
+    `epoch`: the ledger epoch to record, which the file itself does not hold."""
     rows = prompt_tokens = completion_tokens = uncompressed = 0
     for record in iter_records(path):
         rows += 1
@@ -282,4 +350,5 @@ def describe(path: Path) -> ShardInfo:
         compressed_bytes=path.stat().st_size,
         sha256=digest,
         created=path.stat().st_mtime,
+        epoch=epoch,
     )

@@ -21,6 +21,7 @@ def run_worker(
     """`metrics_port`: serve Prometheus metrics there; None: no metrics endpoint."""
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
+    r.ping()  # a refused login or no Redis fails here, before any thread starts
     name = worker_name("tokenize")
     consumer = TokenizeConsumer(r, options, name)
     stop = threading.Event()
@@ -41,6 +42,7 @@ def run_worker(
             "paused_for_disk": consumer.state.paused_for_disk,
             "free_bytes": consumer.state.free_bytes,
             "tokens_per_s": tokens.rate(),
+            "behind": dict(consumer.state.behind),
             "jobs": {
                 job: {**w.counters.__dict__, "open_rows": w.open_rows}
                 for job, w in consumer.state.writers.items()

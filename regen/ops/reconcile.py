@@ -37,6 +37,7 @@ import redis
 from regen.common import keys
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.disk_truth import behind_message
 from regen.ops import accounting, locate
 from regen.ops.accounting import text
 from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder
@@ -227,6 +228,9 @@ def reconcile(
             "give --shards-dir, or --no-shards)"
         )
         return report
+    behind = behind_message(ledger, job, folder)
+    if behind:
+        report.problem("redis_behind", job, behind)
     report.shards_read, report.shard_ids_read = check_shards(
         ledger, folder, per_shard, report.problem
     )

@@ -18,6 +18,7 @@ import redis
 
 from regen.common import keys
 from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.disk_truth import behind_message
 from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_ids, shard_paths
 
 BATCH = 1000
@@ -98,3 +99,14 @@ def check_shards(
             if shard in short and pid not in short[shard]:
                 report("not_in_shard", pid, f"committed to {shard}, not in its file")
     return files, ids_read
+
+
+def compare_folder(ledger: CommitLedger, job: str, folder: Path, report: Report) -> int:
+    """`regen shards verify` with Redis: the job folder's files against its ledger (Redis
+    behind the disk, and every shard's ids against the committed index). Returns the
+    ids read."""
+    behind = behind_message(ledger, job, folder)
+    if behind:
+        report("redis_behind", ".", behind)
+    per_shard = Counter(shard for _, shard in ledger.iter_committed(BATCH))
+    return check_shards(ledger, folder, per_shard, report)[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,6 +18,7 @@ import redis
 from regen.common import defaults, jobspec, keys, settings
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger, Sample
+from regen.consumers.tokenize.disk_truth import behind_message
 from regen.ops import accounting
 
 
@@ -53,12 +55,27 @@ def _free_bytes(output: dict[str, Any], beats: dict[str, dict[str, Any]]) -> int
     return None if beat is None or beat.get("free_bytes") is None else int(beat["free_bytes"])
 
 
+def _behind_disk(
+    ledger: CommitLedger, job: str, output: dict[str, Any], workers: list[dict[str, Any]]
+) -> str | None:
+    """Why the job is not written because Redis is behind its shards, with the fix: as a
+    live tokenize worker reports it, or checked here when the folder is on this host."""
+    for worker in workers:
+        if job in (worker.get("behind") or {}):
+            return f"tokenize worker {worker['name']}: {worker['behind'][job]}"
+    folder = output.get("dir")
+    if output.get("host") != os.uname().nodename or not folder or not os.path.isdir(folder):
+        return None
+    return behind_message(ledger, job, Path(folder))
+
+
 def job_status(
     r: redis.Redis, spec: JobSpec, workers: list[dict[str, Any]], window_s: float
 ) -> dict[str, Any]:
     job = spec.name
     counts = accounting.count_places(r, spec)
-    totals = CommitLedger(r, job).totals()
+    ledger = CommitLedger(r, job)
+    totals = ledger.totals()
     raw_output = r.hget(keys.TOKENIZE_OUTPUTS, job)
     output = orjson.loads(raw_output) if raw_output else {}
     free = _free_bytes(output, {w["name"]: w for w in workers if not w["stale"]})
@@ -71,6 +88,9 @@ def job_status(
     generators = [w for w in live if w.get("kind") == "generate" and spec.queue in w["queues"]]
     tokenizers = [w for w in live if w.get("kind") == "tokenize" and job in w.get("jobs", {})]
     flags = []
+    behind = _behind_disk(ledger, job, output, live)
+    if behind:
+        flags.append(behind)
     if counts.waiting_chunks and not generators:
         flags.append(
             f"{counts.waiting_chunks} chunk(s) wait on {spec.queue} but no live generate "

@@ -1,0 +1,129 @@
+"""`regen recover`: rebuild a job's commit ledger in Redis from its shard folder.
+
+The disk is the truth for committed shards (consumers/tokenize/disk_truth.py). After
+Redis came back behind the disk (restored from an older copy, a failover to a lagging
+replica), every shard file is read, one at a time, and recorded through the commit
+ledger as its writer would have: its ids mapped to it in the committed index (ids Redis
+had free, or on a shard that is not on disk), the shard in the job's shard list with
+its manifest line (rebuilt from the file when missing), counted once, and its ids'
+dead letters dropped. Then stale claims are released, the shard counter is moved past
+every name on disk, the epoch is raised, and the job's enqueue cursors are dropped so
+that the job's own `regen enqueue` re-reads its files from the first row, skipping ids
+that are enqueued, committed or dead-lettered: it queues exactly the prompts Redis lost
+with no record.
+
+It only adds what the disk proves, so it is safe to run on a healthy job, and again.
+Memory holds one shard's ids at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.disk_truth import manifest_epoch
+from regen.consumers.tokenize.shard_files import (
+    READ_ERRORS,
+    ShardInfo,
+    append_manifest,
+    describe,
+    iter_ids,
+    read_manifest,
+    shard_number,
+    shard_paths,
+)
+from regen.ops.reconcile_shards import batches
+from regen.producer.enqueue import reread_from_start
+
+
+@dataclass
+class Recovery:
+    """What `regen recover` found and did."""
+
+    job: str
+    folder: Path
+    shards_on_disk: int = 0
+    # On disk, unknown to Redis (neither in place nor pending): what Redis had lost.
+    shards_restored: list[str] = field(default_factory=list)
+    # Ids Redis had free that a shard file holds.
+    ids_restored: int = 0
+    # Ids Redis had on a shard that is not on disk (a stale claim), moved to their file.
+    ids_moved: int = 0
+    manifest_lines_rebuilt: list[str] = field(default_factory=list)
+    claims_released: list[str] = field(default_factory=list)  # pending, never placed
+    claims_left: list[str] = field(default_factory=list)  # pending, lease still running
+    seq: tuple[int, int] = (0, 0)  # the shard counter before, after
+    epoch: tuple[int, int] = (0, 0)
+    cursors_dropped: int = 0
+    # Problems on disk that recovery cannot mend: (id, shard kept, other shard).
+    duplicates: list[tuple[str, str, str]] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, error)
+
+    @property
+    def ok(self) -> bool:
+        return not self.duplicates and not self.unreadable
+
+
+def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
+    """Rebuild `job`'s ledger from its shard folder (OUT/JOB)."""
+    ledger = CommitLedger(r, job)
+    report = Recovery(job, folder)
+    manifest = read_manifest(folder).shards
+    paths = shard_paths(folder)
+    on_disk = {path.name for path in paths}
+    known, _ = ledger.shard_names()
+    disk_epoch = manifest_epoch(folder)
+    report.shards_on_disk = len(paths)
+    for path in paths:
+        info = manifest.get(path.name)
+        try:
+            if info is None:  # placed, then the writer died before its manifest line
+                info = describe(path, disk_epoch)
+                append_manifest(folder, info)
+                report.manifest_lines_rebuilt.append(path.name)
+            _restore_shard(ledger, path, info, on_disk, report)
+        except (OSError, KeyError, *READ_ERRORS) as exc:
+            report.unreadable.append((path.name, str(exc)))
+            continue
+        if path.name not in known:
+            report.shards_restored.append(path.name)
+    for claim in ledger.pending().values():  # those in place were recorded above
+        if claim.expired():
+            ledger.release(claim)
+            report.claims_released.append(claim.shard)
+        else:
+            report.claims_left.append(claim.shard)
+    numbers = [shard_number(name) or 0 for name in on_disk | set(report.claims_left)]
+    report.seq = ledger.raise_shard_seq(max(numbers, default=0))
+    report.epoch = ledger.raise_epoch(disk_epoch)
+    report.cursors_dropped = reread_from_start(r, job)
+    return report
+
+
+def _restore_shard(
+    ledger: CommitLedger, path: Path, info: ShardInfo, on_disk: set[str], report: Recovery
+) -> None:
+    """Map the shard's ids that Redis lost to it and record it as committed."""
+    name = path.name
+    ids: list[str] = []
+    remap: list[str] = []
+    seen: set[str] = set()
+    for batch in batches(iter_ids(path)):
+        for pid, owner in zip(batch, ledger.owner_of(batch), strict=True):
+            if pid in seen:
+                continue  # twice in one shard: `regen shards verify` reports it
+            seen.add(pid)
+            if owner is not None and owner != name and owner in on_disk:
+                report.duplicates.append((pid, owner, name))  # the first shard keeps it
+                continue
+            ids.append(pid)
+            if owner is None:
+                report.ids_restored += 1
+                remap.append(pid)
+            elif owner != name:
+                report.ids_moved += 1
+                remap.append(pid)
+    ledger.restore(name, info.to_json(), remap, ids)
