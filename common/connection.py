@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -57,6 +58,28 @@ def tls_options(url: str) -> dict[str, object]:
 def client(url: str) -> redis.Redis:
     """A client that returns bytes; callers decode what they need."""
     return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+
+
+# Errors that say Redis cannot be reached (down, restarting, still loading its AOF), not
+# that a command was wrong: long-running loops wait these out instead of exiting.
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Backoff:
+    """Jittered, doubling delays between retries while Redis is unreachable."""
+
+    def __init__(self, first_s: float = 0.5, max_s: float = 30.0) -> None:
+        self._first_s = first_s
+        self._max_s = max_s
+        self._next_s = first_s
+
+    def next(self) -> float:
+        delay = random.uniform(self._next_s / 2, self._next_s)
+        self._next_s = min(self._next_s * 2, self._max_s)
+        return delay
+
+    def reset(self) -> None:
+        self._next_s = self._first_s
 
 
 # client() replies are bytes, but redis-py's stubs type them as bytes | str whatever the

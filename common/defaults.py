@@ -35,14 +35,20 @@ MAX_NEW_TOKENS = 4096
 HIGH_WATER_CHUNKS = 256
 
 # --- delivery ----------------------------------------------------------------------
-# kombu restores an unacked message after this many seconds, even while it still runs.
-# It must exceed the longest chunk and be the same in every process (env:
-# REGEN_VISIBILITY_TIMEOUT).
-VISIBILITY_TIMEOUT_S = 4 * 3600
-# How often kombu sweeps for unacked messages past the visibility timeout
-# (interval x throttle seconds; env: REGEN_RESTORE_INTERVAL, tests make it small).
+# The lease on a delivered chunk (kombu's visibility timeout): its worker renews it with
+# every heartbeat, so a live worker keeps a chunk however long it runs, and a dead
+# worker's chunks are restored once this much has passed since its last heartbeat. Every
+# process on one Redis must use the same value (env: REGEN_VISIBILITY_TIMEOUT); see
+# docs/design.md, Delivery protocol.
+VISIBILITY_TIMEOUT_S = 100
+# How often kombu sweeps for unacked messages past the lease (interval x throttle
+# seconds; env: REGEN_RESTORE_INTERVAL, REGEN_RESTORE_THROTTLE). A dead worker's chunks
+# are back on the queue within lease + sweep = 110 s of its last heartbeat.
 UNACKED_RESTORE_INTERVAL_S = 10
-UNACKED_RESTORE_THROTTLE = 10
+UNACKED_RESTORE_THROTTLE = 1
+# A chunk's attempts and settled prompts are kept this long after its last renewal, so
+# a redelivery still finds which prompts are done; then they expire (flat memory).
+CHUNK_STATE_TTL_S = 8 * 3600
 # Most chunks a generate worker holds at once (its threads); within that, flow control
 # holds as many as keep its engine full (consumers/generate/flow.py).
 MAX_CHUNKS_HELD = 64

@@ -16,6 +16,7 @@ import orjson
 import redis
 
 from regen.common import defaults, keys
+from regen.common.connection import OUTAGE_ERRORS
 
 log = logging.getLogger("regen.heartbeat")
 
@@ -59,7 +60,11 @@ def worker_name(kind: str) -> str:
 
 
 class Heartbeat(threading.Thread):
-    """Writes `snapshot()` under the worker's name every interval until stopped."""
+    """Writes `snapshot()` under the worker's name every interval until stopped.
+
+    `renew`, when given, runs first at every beat (a generate worker renews the leases of
+    the chunks it holds), so whatever the record says was alive was renewed too.
+    """
 
     def __init__(
         self,
@@ -67,16 +72,20 @@ class Heartbeat(threading.Thread):
         name: str,
         snapshot: Callable[[], dict[str, Any]],
         interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+        renew: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="regen-heartbeat", daemon=True)
         self._r = r
         self._name = name
         self._snapshot = snapshot
         self._interval_s = interval_s
+        self._renew = renew
         self._stop_event = threading.Event()
         self.started_at = time.time()
 
     def beat(self) -> None:
+        if self._renew is not None:
+            self._renew()
         record = {
             "name": self._name,
             "host": socket.gethostname(),
@@ -91,6 +100,8 @@ class Heartbeat(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self.beat()
+            except OUTAGE_ERRORS as exc:  # said once a beat, without a traceback
+                log.warning("heartbeat failed: Redis unreachable (%s)", exc)
             except Exception:  # a heartbeat error must never stop the worker
                 log.exception("heartbeat failed")
             self._stop_event.wait(self._interval_s)

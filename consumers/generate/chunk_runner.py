@@ -3,9 +3,10 @@ dead-letter what a healthy engine refuses.
 
 Each result is handed off (XADD on the job's results stream) in the same transaction
 that marks the prompt generated for this chunk, so a redelivered chunk (its worker died,
-or its visibility timeout passed) skips the prompts already handed off. The Celery task
-acknowledges the chunk only when this returns (acks_late), i.e. after every prompt is in
-the results stream or the DLQ (DESIGN.md invariant 3).
+or was frozen past its lease) skips the prompts already handed off. Every such write
+checks, in its transaction, that this delivery still holds the chunk's lease (lease.py):
+a worker that lost it drops its results. The delivery is acknowledged only after every
+prompt is in the results stream or the DLQ (DESIGN.md invariant 3).
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import orjson
 import redis
 from redis.typing import EncodableT, FieldT
 
 from regen.common import defaults, dlq, jobspec, keys
 from regen.common.celery_app import visibility_timeout
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.common.connection import bytes_set
+from regen.common.connection import OUTAGE_ERRORS, bytes_set
 from regen.common.heartbeat import RateMeter
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.engine import (
@@ -37,16 +37,14 @@ from regen.consumers.generate.engine import (
     GenerateResult,
     PromptRejected,
 )
+from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseBook, LeaseLost
 from regen.consumers.generate.runner import EngineRunner
 
 log = logging.getLogger("regen.generate")
 
-# Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
-# acknowledgement still finds which prompts are done; then it expires (flat memory).
-CHUNK_STATE_TTL_S = 2 * visibility_timeout()
-# A chunk still waiting for an unavailable engine this far into the visibility timeout is
-# given back to the queue (results already handed off stay done), rather than be
-# redelivered to a second worker while this one still holds it.
+# A chunk still waiting for an unavailable engine this long is given back to the queue
+# (results already handed off stay done): a chunk stuck behind a dead server is back for
+# a healthy worker within about the bound a dead worker's chunk is.
 GIVE_BACK_AFTER_S = 0.75 * visibility_timeout()
 
 
@@ -70,6 +68,11 @@ class ChunkContext:
     chunk_limit: int = 0
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # The leases of the chunks held, renewed by the worker's heartbeat.
+    leases: LeaseBook = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseBook(self.redis)
 
     def count_inflight(self, delta: int) -> None:
         with self._lock:
@@ -93,40 +96,12 @@ class ChunkOutcome:
     dead_lettered: int
 
 
-def _attempts_key(chunk: Chunk) -> str:
-    return keys.chunk_attempts(chunk.job) + ":" + chunk.chunk_id
-
-
-def start_attempt(ctx: ChunkContext, chunk: Chunk) -> tuple[int, list[dict[str, object]]]:
-    """Record this delivery; returns (its index, every delivery so far).
-
-    An attempt stays "started" unless it ends cleanly, so started attempts other than
-    this one are deliveries whose worker died (or that still run elsewhere).
-    """
-    entry = {"worker": ctx.worker, "time": time.time(), "status": "started"}
-    key = _attempts_key(chunk)
-    pipe = ctx.redis.pipeline()
-    pipe.rpush(key, orjson.dumps(entry))
-    pipe.expire(key, CHUNK_STATE_TTL_S)
-    pipe.lrange(key, 0, -1)
-    length, _, history = pipe.execute()
-    return length - 1, [orjson.loads(h) for h in history]
-
-
-def end_attempt(
-    ctx: ChunkContext, chunk: Chunk, index: int, status: str, error: str | None = None
-) -> None:
-    entry = {"worker": ctx.worker, "time": time.time(), "status": status, "error": error}
-    # redis-py's stub types LSET's value as str only; bytes are sent as they are.
-    ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))  # type: ignore[arg-type]
-
-
 def _mark_generated(pipe: redis.client.Pipeline, chunk: Chunk, prompt_id: str) -> None:
     """Record that a prompt of the chunk is settled (handed off or dead-lettered), so a
     redelivery of the chunk skips it."""
     key = keys.chunk_generated(chunk.job, chunk.chunk_id)
     pipe.sadd(key, prompt_id)
-    pipe.expire(key, CHUNK_STATE_TTL_S)
+    pipe.expire(key, defaults.CHUNK_STATE_TTL_S)
 
 
 def _dead_letter(
@@ -138,7 +113,7 @@ def _dead_letter(
     reason: str,
     message: str,
     attempts: int,
-    history: list[dict[str, object]] | None = None,
+    history: list[Attempt] | None = None,
     **payload: Any,
 ) -> None:
     """A generate-stage dead letter holding what a requeue needs, settled in `pipe`."""
@@ -166,25 +141,31 @@ def _dead_letter(
 
 
 def _dead_letter_all(
-    ctx: ChunkContext, chunk: Chunk, prompts: list[ChunkPrompt], history: list[dict[str, object]]
+    ctx: ChunkContext,
+    lease: ChunkLease,
+    chunk: Chunk,
+    prompts: list[ChunkPrompt],
+    history: list[Attempt],
 ) -> None:
     message = (
         f"chunk {chunk.chunk_id} was delivered {len(history)} times without finishing "
         "(its worker died, or it failed: see history)"
     )
-    pipe = ctx.redis.pipeline()
-    for prompt in prompts:
-        _dead_letter(
-            ctx,
-            pipe,
-            chunk,
-            prompt,
-            reason="poison_chunk",
-            message=message,
-            attempts=len(history),
-            history=history,
-        )
-    pipe.execute()
+
+    def fill(pipe: redis.client.Pipeline) -> None:
+        for prompt in prompts:
+            _dead_letter(
+                ctx,
+                pipe,
+                chunk,
+                prompt,
+                reason="poison_chunk",
+                message=message,
+                attempts=len(history),
+                history=history,
+            )
+
+    lease.write(ctx.redis, fill)
 
 
 async def _generate_with_retry(
@@ -207,10 +188,10 @@ async def _generate_with_retry(
 
 def _hand_off(
     ctx: ChunkContext,
+    lease: ChunkLease,
     chunk: Chunk,
     prompt: ChunkPrompt,
     result: GenerateResult,
-    attempt: int,
     sampling: dict[str, Any],
 ) -> None:
     generated = GeneratedResult(
@@ -229,55 +210,72 @@ def _hand_off(
         latency_s=result.latency_s,
         server=result.server,
         worker=ctx.worker,
-        attempt=attempt,
+        attempt=lease.attempt,
         sampling=sampling,
     )
-    pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
     # A dict[bytes, bytes] is a valid fields mapping; the stub's dict type is invariant.
     fields = cast("dict[FieldT, EncodableT]", generated.to_fields())
-    pipe.xadd(keys.results_stream(chunk.job), fields)
-    _mark_generated(pipe, chunk, prompt.id)
-    pipe.execute()
-    ctx.tokens.add(result.completion_tokens)
-    ctx.prompts.add()
+
+    def fill(pipe: redis.client.Pipeline) -> None:  # the result and its mark land together
+        pipe.xadd(keys.results_stream(chunk.job), fields)
+        _mark_generated(pipe, chunk, prompt.id)
+
+    if lease.write(ctx.redis, fill, prompt_id=prompt.id):
+        ctx.tokens.add(result.completion_tokens)
+        ctx.prompts.add()
 
 
 def _reject(
-    ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected, attempt: int
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected
 ) -> None:
-    pipe = ctx.redis.pipeline()
-    _dead_letter(
-        ctx,
-        pipe,
-        chunk,
-        prompt,
-        reason="rejected_by_server",
-        message=exc.message,
-        attempts=attempt + 1,
-        server=exc.server,
-    )
-    pipe.execute()
+    def fill(pipe: redis.client.Pipeline) -> None:
+        _dead_letter(
+            ctx,
+            pipe,
+            chunk,
+            prompt,
+            reason="rejected_by_server",
+            message=exc.message,
+            attempts=lease.attempt + 1,
+            server=exc.server,
+        )
+
+    lease.write(ctx.redis, fill, prompt_id=prompt.id)
 
 
-def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
-    """Raises on an unexpected error, after marking the attempt failed (the task then
-    gives the chunk back; past max_attempts failed or dead deliveries it is dead-lettered).
+def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkOutcome:
+    """Run one delivery of a chunk (`tag`: kombu's delivery tag) and settle it.
+
+    Raises LeaseLost when another delivery took the chunk (nothing more was written),
+    ChunkDeferred when it was given back, and any unexpected error after giving it back
+    with its attempt marked failed (past max_attempts failed or dead deliveries, the
+    next delivery dead-letters it).
     """
     ctx.count_chunks(1)
     try:
-        return _run_chunk(ctx, chunk)
+        lease, history = ctx.leases.start(chunk.job, chunk.chunk_id, tag, ctx.worker)
+        try:
+            return _run_chunk(ctx, lease, chunk, history)
+        except LeaseLost:
+            lease.record_lost(ctx.redis, ctx.worker)
+            raise
+        finally:
+            ctx.leases.release(lease)
     finally:
         ctx.count_chunks(-1)
 
 
-def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
-    attempt, history = start_attempt(ctx, chunk)
+def _run_chunk(
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, history: list[Attempt]
+) -> ChunkOutcome:
     settled = bytes_set(ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id)))
     done = {m.decode() for m in settled}
     todo = [p for p in chunk.prompts if p.id not in done]
     # "started" entries other than this one are deliveries whose worker died.
     failed = [
-        h for i, h in enumerate(history) if i != attempt and h["status"] in ("started", "failed")
+        h
+        for i, h in enumerate(history)
+        if i != lease.attempt and h["status"] in ("started", "failed")
     ]
     if len(failed) >= ctx.max_attempts:
         log.error(
@@ -286,21 +284,27 @@ def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
             len(failed),
             len(todo),
         )
-        _dead_letter_all(ctx, chunk, todo, history)
-        end_attempt(ctx, chunk, attempt, "dead_lettered")
+        _dead_letter_all(ctx, lease, chunk, todo, history)
+        lease.finish(ctx.redis, ctx.worker, "dead_lettered")
         return ChunkOutcome(0, len(done), len(todo))
     try:
-        return _generate_all(ctx, chunk, todo, attempt, skipped=len(done))
+        outcome = _generate_all(ctx, lease, chunk, todo, skipped=len(done))
+    except LeaseLost:
+        raise  # nothing to record: the chunk is another's
+    except OUTAGE_ERRORS:
+        raise  # nothing can be recorded: its lease runs out and it comes back
     except ChunkDeferred:
-        end_attempt(ctx, chunk, attempt, "returned")  # not a failure of the chunk
+        lease.give_back(ctx.redis, ctx.worker, "returned")  # not a failure of the chunk
         raise
     except Exception as exc:
-        end_attempt(ctx, chunk, attempt, "failed", error=repr(exc))
+        lease.give_back(ctx.redis, ctx.worker, "failed", error=repr(exc))
         raise
+    lease.finish(ctx.redis, ctx.worker)
+    return outcome
 
 
 def _generate_all(
-    ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int, skipped: int
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt], skipped: int
 ) -> ChunkOutcome:
     spec = ctx.spec(chunk.job)
     # A requeued chunk may override some params (`regen dlq requeue --set`).
@@ -309,31 +313,38 @@ def _generate_all(
     futures: dict[Future[GenerateResult], ChunkPrompt] = {}
     for prompt in todo:
         request = GenerateRequest(
-            rid=f"{chunk.chunk_id}-{prompt.id}-{attempt}",
+            rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
             prompt_ids=prompt.prompt_ids,
             sampling=dict(sampling),
         )
         futures[ctx.runner.submit(_generate_with_retry(ctx.runner, request, deadline))] = prompt
     ctx.count_inflight(len(futures))
+
+    def stop_prompts() -> None:  # a lease a heartbeat found lost stops them at once
+        for future in futures:
+            future.cancel()
+
+    lease.on_lost(stop_prompts)
     generated = rejected = 0
     try:
         for future in as_completed(futures):
+            if lease.lost.is_set():
+                raise LeaseLost("another delivery holds the chunk")
             prompt = futures[future]
             ctx.count_inflight(-1)
             try:
                 result = future.result()
             except PromptRejected as exc:
-                _reject(ctx, chunk, prompt, exc, attempt)
+                _reject(ctx, lease, chunk, prompt, exc)
                 rejected += 1
                 continue
-            _hand_off(ctx, chunk, prompt, result, attempt, sampling)
+            _hand_off(ctx, lease, chunk, prompt, result, sampling)
             generated += 1
     except BaseException:
-        # Leaving early (shutdown, lost Redis): stop the prompts still running so the
-        # engine's capacity goes to the next chunk; the chunk itself comes back unacked.
+        # Leaving early (shutdown, lost lease, Redis out of reach): stop the prompts still
+        # running so the engine's capacity goes to the next chunk.
         for future in futures:
             if future.cancel():
                 ctx.count_inflight(-1)
         raise
-    end_attempt(ctx, chunk, attempt, "done")
     return ChunkOutcome(generated, skipped, rejected)

@@ -16,11 +16,12 @@ from typing import Any
 from celery import Celery, bootsteps
 
 from regen.common import connection, defaults, jobspec
-from regen.common.celery_app import make_app
+from regen.common.celery_app import make_app, visibility_timeout
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate.chunk_runner import ChunkContext
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow import make_flow_control
+from regen.consumers.generate.lease_celery import LeaseKeepingConsumer
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.runner import EngineRunner
 from regen.consumers.generate.tasks import register
@@ -159,6 +160,8 @@ def run_worker(options: WorkerOptions) -> None:
     initial_chunks = min(concurrency, 2)
 
     app: Celery = make_app(url)
+    # A lost connection leaves held chunks held (their leases decide): lease_celery.py.
+    app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
@@ -168,7 +171,14 @@ def run_worker(options: WorkerOptions) -> None:
         )
     )
     watcher = Watcher(options, ctx, state)
-    heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))
+    # Each beat renews the leases of the chunks held: at least four beats per lease.
+    heartbeat = Heartbeat(
+        r,
+        name,
+        lambda: _snapshot(options, ctx, state, concurrency),
+        interval_s=min(defaults.HEARTBEAT_INTERVAL_S, visibility_timeout() / 4),
+        renew=ctx.leases.renew,
+    )
     metrics = None
     if options.metrics_port is not None:
         metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
@@ -220,6 +230,7 @@ def _snapshot(
         "queues": sorted(state.wanted()),
         "concurrency": concurrency,
         "chunks_held": ctx.chunks_held,
+        "leases_held": ctx.leases.held,
         "chunk_limit": ctx.chunk_limit,
         "engine_stats": stats,
         "inflight": ctx.inflight,

@@ -1,8 +1,10 @@
 """The tokenize consumer loop: read results of one or more jobs, write shards, commit.
 
 Results are read with a Redis Streams consumer group (atomic claim, per-entry ack), so
-several consumers can share a job; entries a dead consumer held are taken over with
-XAUTOCLAIM once idle for longer than any live consumer keeps a shard open.
+several consumers can share a job. Entries a dead consumer held are taken over once its
+heartbeat is stale (takeover.py); as a last resort, XAUTOCLAIM takes any entry idle for
+longer than a live consumer keeps a shard open. A Redis outage is waited out: the loop
+backs off, then re-reads what it may have missed.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ import redis
 
 from regen.common import defaults, jobspec, keys
 from regen.common.chat_family import detect_family
-from regen.common.connection import bytes_hash
+from regen.common.connection import OUTAGE_ERRORS, Backoff, bytes_hash
 from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.record import RecordContext
+from regen.consumers.tokenize.takeover import (
+    claim_from,
+    dead_consumers,
+    delete_if_empty,
+    own_left_over,
+)
 
 log = logging.getLogger("regen.tokenize")
 
@@ -44,8 +52,9 @@ class TokenizeOptions:
     min_free_bytes: int = 2 * 1024**3
     batch: int = 256
     block_ms: int = 1000
-    # Entries another consumer holds longer than this are taken over: above the longest
-    # a live consumer keeps a shard open.
+    # Entries any consumer holds longer than this are taken over, whatever its heartbeat
+    # says: above the longest a live consumer keeps a shard open. (A dead consumer's are
+    # taken over within a heartbeat's stale time plus one beat.)
     claim_idle_s: float = 900.0
 
 
@@ -70,6 +79,7 @@ class TokenizeConsumer:
         self._last_seen: dict[str, float] = {}
         self._next_recover = 0.0
         self._next_claim = 0.0
+        self._next_takeover = 0.0
         self._refused: set[str] = set()
         options.out_dir.mkdir(parents=True, exist_ok=True)
         self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
@@ -136,11 +146,27 @@ class TokenizeConsumer:
     # --- the loop ------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        backoff = Backoff()
         try:
             while not stop.is_set():
-                self.step()
+                try:
+                    self.step()
+                except OUTAGE_ERRORS as exc:
+                    delay = backoff.next()
+                    log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
+                    self._after_outage()
+                    stop.wait(delay)
+                else:
+                    backoff.reset()
         finally:
             self.commit_all()
+
+    def _after_outage(self) -> None:
+        """A read whose reply was lost still moved entries to this consumer: re-read its
+        own pending entries, and do the housekeeping that was due, once Redis is back."""
+        for writer in self.state.writers.values():
+            writer.left_unacked = True
+        self._next_recover = 0.0
 
     def step(self) -> None:
         """One round: housekeeping, a blocking read, commits that are due."""
@@ -151,6 +177,7 @@ class TokenizeConsumer:
             live = self._live_owners()
             for writer in self.state.writers.values():
                 writer.recover(live)
+                self._retake_left_over(writer)
         if not self._disk_ok():
             time.sleep(DISK_POLL_S)
             return
@@ -158,6 +185,9 @@ class TokenizeConsumer:
             time.sleep(self._options.block_ms / 1000)
             self._next_recover = 0.0
             return
+        if now >= self._next_takeover:
+            self._next_takeover = now + defaults.HEARTBEAT_INTERVAL_S
+            self._take_over_dead()
         if now >= self._next_claim:
             self._next_claim = now + min(self._options.claim_idle_s / 3, 60.0)
             self._take_over_idle()
@@ -195,6 +225,28 @@ class TokenizeConsumer:
             log.error("%s: writing failed (%s); abandoning the open shard", writer.job, exc)
             writer.abandon()
 
+    def _take_over_dead(self) -> None:
+        live = self._live_owners()
+        for writer in self.state.writers.values():
+            for dead in dead_consumers(self._r, writer.stream, self.name, live):
+                taken = 0
+                for entries in claim_from(self._r, writer.stream, dead, self.name):
+                    taken += len(entries)
+                    self._take(writer, entries)
+                if taken:
+                    log.warning("%s: took over %d results of dead %s", writer.job, taken, dead)
+                if delete_if_empty(self._r, writer.stream, dead):
+                    log.info("%s: removed dead consumer %s", writer.job, dead)
+
+    def _retake_left_over(self, writer: JobWriter) -> None:
+        """Read again the entries this consumer left unacknowledged (their ids were held
+        by a pending shard, which recovery may since have resolved)."""
+        if not writer.left_unacked:
+            return
+        writer.left_unacked = False
+        for entries in own_left_over(self._r, writer.stream, self.name, writer.open_entries()):
+            self._take(writer, entries)
+
     def _take_over_idle(self) -> None:
         idle_ms = int(self._options.claim_idle_s * 1000)
         for writer in self.state.writers.values():
@@ -226,6 +278,10 @@ class TokenizeConsumer:
         except OSError as exc:
             log.error("%s: committing failed (%s); its results come back", writer.job, exc)
             writer.abandon()
+        except OUTAGE_ERRORS as exc:  # the writer has undone what it could; see commit()
+            log.error(
+                "%s: Redis unreachable mid-commit (%s); its results come back", writer.job, exc
+            )
 
     def commit_all(self) -> None:
         for writer in self.state.writers.values():

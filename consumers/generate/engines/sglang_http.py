@@ -69,8 +69,8 @@ class SGLangHTTPEngine:
         `give_up_after_s`: how long one generate() may wait for a usable server before
         raising EngineUnavailable. None (the default) waits for ever: an outage is not
         the prompt's fault (DESIGN.md invariant 6), and failing would only send the chunk
-        round Celery's retries and burn its attempt cap. A worker whose task must end
-        before the broker's visibility timeout passes `deadline` to generate() instead.
+        round Celery's retries and burn its attempt cap. A worker that gives a chunk
+        back after a while (chunk_runner.GIVE_BACK_AFTER_S) passes `deadline` instead.
         """
         self._pool = ServerPool(
             servers,
