@@ -73,9 +73,10 @@ def job_chunks(job: str) -> str:
     return _job(job, "chunks")
 
 
-def chunk_attempts(job: str) -> str:
-    """Hash: chunk id -> JSON list of delivery attempts (worker, host, time)."""
-    return _job(job, "attempts")
+def chunk_attempts(job: str, chunk_id: str) -> str:
+    """List: JSON {worker, time, status, error}, one per delivery of the chunk that
+    started; the last one holds the chunk's lease (consumers/generate/lease.py)."""
+    return _job(job, f"attempts:{chunk_id}")
 
 
 def chunk_generated(job: str, chunk_id: str) -> str:

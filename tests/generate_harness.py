@@ -19,7 +19,6 @@ from regen.common import dlq, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.queues import queued_chunks
 from regen.common.results import GeneratedResult
-from regen.consumers.generate.lease import attempts_key
 from regen.producer.enqueue import Enqueuer
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import write_jsonl
@@ -114,7 +113,7 @@ def all_acked(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
 
 def attempts(r: redis.Redis, job: str, chunk_id: str) -> list[dict[str, Any]]:
     """The chunk's deliveries: {worker, time, status, error} each, in order."""
-    return [orjson.loads(raw) for raw in r.lrange(attempts_key(job, chunk_id), 0, -1)]
+    return [orjson.loads(raw) for raw in r.lrange(keys.chunk_attempts(job, chunk_id), 0, -1)]
 
 
 def chunks_held_by(r: redis.Redis, job: str, worker: str) -> set[str]:

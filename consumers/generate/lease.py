@@ -66,11 +66,6 @@ class LeaseLost(Exception):
     """Another delivery of the chunk holds it now: this one's work is dropped."""
 
 
-def attempts_key(job: str, chunk_id: str) -> str:
-    """List of JSON attempts {worker, time, status, error}, one per delivery started."""
-    return f"{keys.chunk_attempts(job)}:{chunk_id}"
-
-
 def _attempt(worker: str, status: str, error: str | None = None) -> bytes:
     return orjson.dumps({"worker": worker, "time": time.time(), "status": status, "error": error})
 
@@ -97,7 +92,7 @@ class ChunkLease:
 
     @property
     def attempts_key(self) -> str:
-        return attempts_key(self.job, self.chunk_id)
+        return keys.chunk_attempts(self.job, self.chunk_id)
 
     @property
     def generated_key(self) -> str:
@@ -257,7 +252,7 @@ class LeaseBook:
         """Record a delivery's attempt and hold its lease; returns it with every attempt
         so far. An attempt stays "started" unless it ends, so started attempts other
         than this one are deliveries whose worker died (or still runs elsewhere)."""
-        key = attempts_key(job, chunk_id)
+        key = keys.chunk_attempts(job, chunk_id)
         pipe = self._r.pipeline()
         pipe.rpush(key, _attempt(worker, "started"))
         pipe.expire(key, defaults.CHUNK_STATE_TTL_S)
