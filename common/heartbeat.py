@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -57,6 +57,15 @@ class RateMeter:
 
 def worker_name(kind: str) -> str:
     return f"{kind}@{socket.gethostname()}:{os.getpid()}"
+
+
+def last_seen(r: redis.Redis) -> dict[str, float]:
+    """Worker name -> the time of its last heartbeat, for every worker with a record (a
+    cleanly stopped worker has none; a dead one's stays)."""
+    beats = cast("dict[bytes, bytes]", r.hgetall(keys.WORKERS))
+    return {
+        name.decode(): float(orjson.loads(raw).get("last_seen", 0)) for name, raw in beats.items()
+    }
 
 
 class Heartbeat(threading.Thread):

@@ -44,12 +44,14 @@ def test_a_silent_consumer_without_a_live_heartbeat_is_taken_over_and_removed(
 ) -> None:
     ghost = read_as(r, "ghost", 3)
     read_as(r, "alive", 3)
+    r.xgroup_createconsumer(STREAM, GROUP, "stale")  # it beat once, no longer
     time.sleep(max(0.3, MIN_IDLE_MS / 1000 + 0.1))
-    # "alive" has a live heartbeat; "me" is the one asking.
-    assert dead_consumers(r, STREAM, "me", live={"alive"}) == ["ghost"]
+    beats = {"alive": time.time(), "stale": time.time() - 1}
+    # No heartbeat and silent, or a stale heartbeat: dead; "me" is the one asking.
+    assert dead_consumers(r, STREAM, "me", beats) == ["ghost", "stale"]
     claimed = [eid for entries in claim_from(r, STREAM, "ghost", "me") for eid, _ in entries]
     assert claimed == ghost
-    assert delete_if_empty(r, STREAM, "ghost")
+    assert delete_if_empty(r, STREAM, "ghost") and delete_if_empty(r, STREAM, "stale")
     assert consumers(r) == {"alive": 3, "me": 3}
 
 

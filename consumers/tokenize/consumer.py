@@ -22,7 +22,8 @@ import redis
 
 from regen.common import defaults, jobspec, keys
 from regen.common.chat_family import detect_family
-from regen.common.connection import OUTAGE_ERRORS, Backoff, bytes_hash
+from regen.common.connection import OUTAGE_ERRORS, Backoff
+from regen.common.heartbeat import last_seen
 from regen.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.record import RecordContext
@@ -136,12 +137,11 @@ class TokenizeConsumer:
 
     def _live_owners(self) -> set[str]:
         now = time.time()
-        owners = set()
-        for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
-            beat = orjson.loads(raw)
-            if now - beat.get("last_seen", 0) < defaults.HEARTBEAT_STALE_S:
-                owners.add(name.decode())
-        return owners
+        return {
+            name
+            for name, seen in last_seen(self._r).items()
+            if now - seen < defaults.HEARTBEAT_STALE_S
+        }
 
     # --- the loop ------------------------------------------------------------------
 
@@ -226,9 +226,9 @@ class TokenizeConsumer:
             writer.abandon()
 
     def _take_over_dead(self) -> None:
-        live = self._live_owners()
+        beats = last_seen(self._r)
         for writer in self.state.writers.values():
-            for dead in dead_consumers(self._r, writer.stream, self.name, live):
+            for dead in dead_consumers(self._r, writer.stream, self.name, beats):
                 taken = 0
                 for entries in claim_from(self._r, writer.stream, dead, self.name):
                     taken += len(entries)

@@ -3,15 +3,16 @@
 Every consumer of the results stream has a pending list (read, not yet acknowledged).
 A consumer that dies leaves its list behind, and a restarted one comes back under a new
 name (`tokenize@HOST:PID`), so nobody reads it again unless it is taken over. A consumer
-is dead when its heartbeat (keys.WORKERS) is missing or stale and the stream has not
-seen it for as long: its entries are claimed by a live consumer and the dead name is
-removed from the group. A consumer also re-reads entries of its own that it left
-unacknowledged (their ids were held by another shard, or Redis went away mid-commit).
-See docs/design.md, Tokenize.
+is dead when its heartbeat (keys.WORKERS) is stale, or, having none (stopped cleanly,
+or not beating yet), when the stream has not seen it for as long: its entries are
+claimed by a live consumer and the dead name is removed from the group. A consumer
+also re-reads entries of its own that it left unacknowledged (their ids were held by
+another shard, or Redis went away mid-commit). See docs/design.md, Tokenize.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,15 +40,18 @@ def _text(value: StreamIdT) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def dead_consumers(r: redis.Redis, stream: str, me: str, live: set[str]) -> list[str]:
-    """Consumers of the group with no live heartbeat that the stream has not seen for a
-    heartbeat's stale time (a consumer between its start and its first beat has read
-    recently, so it is not taken for dead)."""
-    stale_ms = defaults.HEARTBEAT_STALE_S * 1000
+def dead_consumers(r: redis.Redis, stream: str, me: str, beats: dict[str, float]) -> list[str]:
+    """Consumers of the group other than `me` that are dead, given every worker's last
+    heartbeat (`beats`, heartbeat.last_seen)."""
+    stale_s = defaults.HEARTBEAT_STALE_S
+    now = time.time()
     dead = []
     for consumer in r.xinfo_consumers(stream, keys.TOKENIZE_GROUP):
         name = _text(consumer["name"])
-        if name != me and name not in live and int(consumer["idle"]) >= stale_ms:
+        beat = beats.get(name)
+        # No heartbeat (stopped cleanly, or not beating yet): dead once silent as long.
+        gone = int(consumer["idle"]) >= stale_s * 1000 if beat is None else now - beat >= stale_s
+        if name != me and gone:
             dead.append(name)
     return dead
 
