@@ -156,7 +156,8 @@ def test_redis_killed_and_restarted_stops_no_worker(tmp_path: Path) -> None:
 
         def committed() -> int:
             exits = [w.process.poll() for w in workers]
-            assert exits == [None, None], f"a worker exited: {exits}"
+            tails = "\n".join(w.log()[-3000:] for w in workers)
+            assert exits == [None, None], f"a worker exited: {exits}\n{tails}"
             return int(r.hlen(keys.committed("g")))
 
         try:
@@ -172,6 +173,9 @@ def test_redis_killed_and_restarted_stops_no_worker(tmp_path: Path) -> None:
                 redis_server.kill()  # SIGKILL; restarted on the same AOF and port
                 time.sleep(1)
                 redis_server.start()
+                # The port was free for a second: make sure no other test's Redis took it.
+                ours = str(redis_server.data_dir.resolve())
+                assert r.config_get("dir")["dir"] == ours, "another Redis took the port"
             wait_for(lambda: committed() == len(prompts) and not r.hlen(keys.KOMBU_UNACKED),
                      timeout=180, what="the job to finish")  # fmt: skip
         finally:

@@ -193,7 +193,9 @@ def run_worker(options: WorkerOptions) -> None:
         connection.redact(url),
     )
     try:
-        app.worker_main(
+        # app.start, not worker_main (which drops it), returns Celery's exit code: a
+        # worker stopped by an unrecoverable error must not exit 0.
+        exit_code = app.start(
             [
                 "worker",
                 "--pool",
@@ -217,6 +219,8 @@ def run_worker(options: WorkerOptions) -> None:
         if metrics is not None:
             metrics.close()
         runner.close()
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 def _snapshot(
