@@ -1,8 +1,9 @@
 """The Celery app every regen process shares, and the broker settings that keep delivery safe.
 
-All processes on one broker must agree on the visibility timeout (kombu restores an
-unacked message after it, even while the message is still being worked on), so it is
-one setting: REGEN_VISIBILITY_TIMEOUT, else common.defaults (common.settings).
+All processes on one broker must agree on the visibility timeout, the lease on a
+delivered chunk (kombu's sweep, run by every consumer, restores an unacked message whose
+lease has not been renewed for that long), so it is read from one place:
+REGEN_VISIBILITY_TIMEOUT, else common.defaults (common.settings).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def make_app(redis_url: str) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        # After a Redis blip kombu redelivers unacked chunks; cancel ours rather than run
-        # the same chunk twice in parallel.
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # A chunk keeps running across a Redis blip: its lease says who holds it, and a
+        # worker that lost it drops its results (docs/design.md, Delivery protocol). The
+        # thread pool could not cancel a running task anyway.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         broker_transport_options=broker_transport_options(),

@@ -58,6 +58,11 @@ def client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
 
 
+# Errors that say Redis cannot be reached (down, restarting, still loading its AOF), not
+# that a command was wrong: long-running loops wait these out instead of exiting.
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+
+
 # client() replies are bytes, but redis-py's stubs type them as bytes | str whatever the
 # client: these tell the type checker what a set or hash reply really holds.
 def bytes_set(reply: Any) -> set[bytes]:

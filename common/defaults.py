@@ -6,8 +6,6 @@ the settings common.settings reads from the environment.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 # --- where state lives -------------------------------------------------------------
 # State folder for the embedded Redis, caches and logs (env: REGEN_HOME).
 HOME = ".regen"
@@ -41,14 +39,20 @@ PLAN_TOKENS_PER_S = 800.0
 PLAN_SERVERS = 1
 
 # --- delivery ----------------------------------------------------------------------
-# kombu restores an unacked message after this many seconds, even while it still runs.
-# It must exceed the longest chunk and be the same in every process (env:
-# REGEN_VISIBILITY_TIMEOUT).
-VISIBILITY_TIMEOUT_S = 4 * 3600
-# How often kombu sweeps for unacked messages past the visibility timeout
-# (interval x throttle seconds; env: REGEN_RESTORE_INTERVAL, tests make it small).
-UNACKED_RESTORE_INTERVAL_S = 10.0
-UNACKED_RESTORE_THROTTLE = 10
+# The lease on a delivered chunk (kombu's visibility timeout): its worker renews it with
+# every heartbeat, so a live worker keeps a chunk however long it runs, and a dead
+# worker's chunks are restored once this much has passed since its last heartbeat. Every
+# process on one Redis must use the same value (env: REGEN_VISIBILITY_TIMEOUT); see
+# docs/design.md, Delivery protocol.
+VISIBILITY_TIMEOUT_S = 100
+# How often kombu sweeps for unacked messages past the lease (interval x throttle
+# seconds; env: REGEN_RESTORE_INTERVAL, REGEN_RESTORE_THROTTLE). A dead worker's chunks
+# are back on the queue within lease + sweep = 110 s of its last heartbeat.
+UNACKED_RESTORE_INTERVAL_S = 10
+UNACKED_RESTORE_THROTTLE = 1
+# A chunk's attempts and settled prompts are kept this long after its last renewal, so
+# a redelivery still finds which prompts are done; then they expire (flat memory).
+CHUNK_STATE_TTL_S = 8 * 3600
 # Most chunks a generate worker holds at once (its threads); within that, flow control
 # holds as many as keep its engine full (consumers/generate/flow.py).
 MAX_CHUNKS_HELD = 64
@@ -121,22 +125,3 @@ HEARTBEAT_INTERVAL_MAX_S = 10.0
 # A tokenize consumer's claim on a shard's ids lasts this long before another consumer
 # may resolve it (env REGEN_SHARD_LEASE_S); the owner renames only with half of it left.
 SHARD_CLAIM_LEASE_S = 120.0
-
-# --- transitional ------------------------------------------------------------------
-# consumers/tokenize/commit.py and regen/status_snapshot.py, moving on another branch,
-# still read the effective lease and stale age as SHARD_LEASE_S and HEARTBEAT_STALE_S.
-# Until they read common.settings, these two names give the settings' values; then
-# delete this block.
-if TYPE_CHECKING:
-    SHARD_LEASE_S: float
-    HEARTBEAT_STALE_S: float
-else:
-
-    def __getattr__(name: str) -> float:
-        from regen.common import settings
-
-        if name == "SHARD_LEASE_S":
-            return settings.current().shard_lease_s
-        if name == "HEARTBEAT_STALE_S":
-            return settings.current().heartbeat_stale_s
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

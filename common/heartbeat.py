@@ -10,12 +10,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
 
 from regen.common import keys, settings
+from regen.common.connection import OUTAGE_ERRORS
 
 log = logging.getLogger("regen.heartbeat")
 
@@ -58,8 +59,21 @@ def worker_name(kind: str) -> str:
     return f"{kind}@{socket.gethostname()}:{os.getpid()}"
 
 
+def last_seen(r: redis.Redis) -> dict[str, float]:
+    """Worker name -> the time of its last heartbeat, for every worker with a record (a
+    cleanly stopped worker has none; a dead one's stays)."""
+    beats = cast("dict[bytes, bytes]", r.hgetall(keys.WORKERS))
+    return {
+        name.decode(): float(orjson.loads(raw).get("last_seen", 0)) for name, raw in beats.items()
+    }
+
+
 class Heartbeat(threading.Thread):
-    """Writes `snapshot()` under the worker's name every interval until stopped."""
+    """Writes `snapshot()` under the worker's name every interval until stopped.
+
+    `renew`, when given, runs first at every beat (a generate worker renews the leases of
+    the chunks it holds), so whatever the record says was alive was renewed too.
+    """
 
     def __init__(
         self,
@@ -67,6 +81,7 @@ class Heartbeat(threading.Thread):
         name: str,
         snapshot: Callable[[], dict[str, Any]],
         interval_s: float | None = None,
+        renew: Callable[[], None] | None = None,
     ) -> None:
         """`interval_s`: between beats; None: a quarter of the stale age, at most 10 s."""
         super().__init__(name="regen-heartbeat", daemon=True)
@@ -76,10 +91,13 @@ class Heartbeat(threading.Thread):
         self._interval_s = (
             settings.current().heartbeat_interval_s if interval_s is None else interval_s
         )
+        self._renew = renew
         self._stop_event = threading.Event()
         self.started_at = time.time()
 
     def beat(self) -> None:
+        if self._renew is not None:
+            self._renew()
         record = {
             "name": self._name,
             "host": socket.gethostname(),
@@ -94,6 +112,8 @@ class Heartbeat(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 self.beat()
+            except OUTAGE_ERRORS as exc:  # said once a beat, without a traceback
+                log.warning("heartbeat failed: Redis unreachable (%s)", exc)
             except Exception:  # a heartbeat error must never stop the worker
                 log.exception("heartbeat failed")
             self._stop_event.wait(self._interval_s)

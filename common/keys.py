@@ -21,8 +21,13 @@ WORKERS = f"{PREFIX}:workers"
 TOKENIZE_OUTPUTS = f"{PREFIX}:tokenize:outputs"
 # kombu's Redis transport keeps delivered, unacknowledged messages of every queue in
 # this hash: delivery tag -> JSON [message, exchange, routing key]. Named by kombu
-# (Channel.unacked_key); regen only reads it.
+# (Channel.unacked_key); regen reads it, and removes a chunk's entry when it settles the
+# delivery itself (consumers/generate/lease.py).
 KOMBU_UNACKED = "unacked"
+# ...and, in this sorted set, delivery tag -> delivery time (Channel.unacked_index_key):
+# kombu's sweep restores a message whose score is older than the visibility timeout. A
+# generate worker moves the scores of the chunks it holds to now: its leases.
+KOMBU_UNACKED_INDEX = "unacked_index"
 
 # Fields of `job_counters` that the tokenize stage adds to as each shard is finalized.
 COMMITTED_PROMPTS = "committed_prompts"
@@ -71,11 +76,10 @@ def job_chunks(job: str) -> str:
     return _job(job, "chunks")
 
 
-def chunk_attempts(job: str) -> str:
-    """Key prefix: `chunk_attempts(job) + ":" + chunk_id` is a list per chunk of JSON
-    delivery attempts {worker, time, status, error}, expiring 2 x the visibility timeout
-    after its last delivery."""
-    return _job(job, "attempts")
+def chunk_attempts(job: str, chunk_id: str) -> str:
+    """List: JSON {worker, time, status, error}, one per delivery of the chunk that
+    started; the last one holds the chunk's lease (consumers/generate/lease.py)."""
+    return _job(job, f"attempts:{chunk_id}")
 
 
 def chunk_generated(job: str, chunk_id: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 
 from regen.common import dlq, jobspec, keys
@@ -22,8 +24,8 @@ from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-# Short enough that a killed worker's chunk comes back within a test, long enough that a
-# healthy chunk finishes first.
+# The chunk lease, shortened from 100 s so that a killed worker's chunk comes back within
+# a test (8 s + the 1 s sweep); its worker renews it every 2 s (a quarter of it).
 VISIBILITY_TIMEOUT_S = 8
 # Short chat prompts, each with its own answer, for the generate-stage tests.
 PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
@@ -43,9 +45,12 @@ def enqueue_prompts(
 
 
 class Worker:
-    """`regen worker generate ...` as a subprocess, its log in a file."""
+    """`regen worker KIND ...` (generate unless told) as a subprocess in its own process
+    group, as on a host of its own, its log in a file."""
 
-    def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 kind: str = "generate"):  # fmt: skip
+        self.kind = kind
         self.log_path = log_dir / f"worker-{len(list(log_dir.glob('worker-*')))}.log"
         full_env = {
             **os.environ, "PYTHONPATH": str(REPO),
@@ -55,14 +60,22 @@ class Worker:
         }  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "regen", "worker", "generate", "--redis-url", url,
-                 "--loglevel", "INFO", *args],
-                env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "regen", "worker", kind, "--redis-url", url, *args],
+                env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
+    @property
+    def name(self) -> str:
+        """Its worker name, as in its heartbeat and its chunks' attempts."""
+        return f"{self.kind}@{socket.gethostname()}:{self.process.pid}"
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.process.pid, sig)
+
     def kill(self) -> None:
+        """SIGKILL its whole process group, as a host that dies takes every process."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
+            self.signal_group(signal.SIGKILL)
         self.process.wait()
 
     def stop(self) -> None:
@@ -96,6 +109,21 @@ def result_ids(r: redis.Redis, job: str) -> set[str]:
 def all_acked(r: redis.Redis, spec: jobspec.JobSpec) -> bool:
     """No chunk waiting in the queue and none delivered but unacknowledged."""
     return queued_chunks(r, spec.queue) == 0 and r.hlen("unacked") == 0
+
+
+def attempts(r: redis.Redis, job: str, chunk_id: str) -> list[dict[str, Any]]:
+    """The chunk's deliveries: {worker, time, status, error} each, in order."""
+    return [orjson.loads(raw) for raw in r.lrange(keys.chunk_attempts(job, chunk_id), 0, -1)]
+
+
+def chunks_held_by(r: redis.Redis, job: str, worker: str) -> set[str]:
+    """Chunks whose latest delivery is still running in `worker`."""
+    held = set()
+    for raw in r.hkeys(keys.job_chunks(job)):
+        history = attempts(r, job, raw.decode())
+        if history and history[-1]["worker"] == worker and history[-1]["status"] == "started":
+            held.add(raw.decode())
+    return held
 
 
 def enqueued_ids(r: redis.Redis, job: str) -> set[str]:

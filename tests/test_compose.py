@@ -183,7 +183,8 @@ def test_every_broker_client_uses_the_password_and_one_visibility_timeout() -> N
     for name, env in clients.items():
         url = env.get("REGEN_REDIS_URL") or env["CELERY_BROKER_URL"]
         assert url.startswith("redis://:${REDIS_PASSWORD") and "@redis:6379/" in url, name
-        # kombu redelivers a message unacked for longer: every process must agree.
+        # The chunk lease: kombu restores a message not renewed for longer, wherever its
+        # sweep runs, so every process must agree.
         timeout = env["REGEN_VISIBILITY_TIMEOUT"]
         assert timeout == f"${{REGEN_VISIBILITY_TIMEOUT:-{defaults.VISIBILITY_TIMEOUT_S}}}", name
     flower_config = COMPOSE["configs"]["flower-celeryconfig"]["content"]

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -119,17 +122,22 @@ def test_a_failing_check_dead_letters_only_that_result(
     assert letter.prompt_id == bad.id and letter.reason == "text_mismatch"
 
 
+# Shortened from 120 s and 60 s: a claim's lease, and how old a heartbeat is when its
+# consumer counts as dead (beats come every quarter of it).
+SHARD_LEASE_S, HEARTBEAT_STALE_S = 4, 3
+
+
 def _worker(url: str, out: Path, crashpoint: str | None = None,
-            extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO),
-           "REGEN_SHARD_LEASE_S": "4", "REGEN_HEARTBEAT_STALE_S": "3"}  # fmt: skip
+            extra: tuple[str, ...] = ("--claim-idle", "3")) -> subprocess.Popen[bytes]:  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_SHARD_LEASE_S": str(SHARD_LEASE_S),
+           "REGEN_HEARTBEAT_STALE_S": str(HEARTBEAT_STALE_S)}  # fmt: skip
     env.pop("REGEN_CRASHPOINT", None)
     if crashpoint:
         env["REGEN_CRASHPOINT"] = crashpoint
     return subprocess.Popen(
         [sys.executable, "-m", "regen", "worker", "tokenize", "--out", str(out),
          "--redis-url", url, "--shard-rows", "25", "--idle-commit", "0.3",
-         "--claim-idle", "3", "--min-free-mb", "0", *extra],
+         "--min-free-mb", "0", *extra],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
 
@@ -167,6 +175,49 @@ def test_a_tokenizer_killed_at_any_point_loses_and_duplicates_nothing(
     assert sorted(ids) == sorted(res.id for res in results), "lost or duplicated ids"
     assert not [p for p in folder.iterdir() if p.name.startswith(".")], "temporary files left"
     assert verify(folder) == []
+
+
+def _consumer(proc: subprocess.Popen[bytes]) -> str:
+    return f"tokenize@{socket.gethostname()}:{proc.pid}"
+
+
+@pytest.mark.slow
+def test_a_consumer_killed_twice_has_its_results_taken_over_by_heartbeat(
+    redis_url: str, r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: Path
+) -> None:
+    """With the default --claim-idle (900 s): only the dead consumers' stale heartbeats
+    can hand their results to the survivor within the test."""
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(80)]
+    dead = []
+    for batch in (results[:40], results[40:]):
+        push(r, batch)
+        doomed = _worker(redis_url, out, crashpoint="tokenize.mid_shard", extra=())
+        doomed.wait(timeout=120)
+        assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read().decode()  # type: ignore[union-attr]
+        dead.append(_consumer(doomed))
+    beats = {name: orjson.loads(r.hget(keys.WORKERS, name))["last_seen"] for name in dead}
+    stream = keys.results_stream("t")
+
+    def group() -> dict[str, int]:
+        return {c["name"].decode(): c["pending"]
+                for c in r.xinfo_consumers(stream, keys.TOKENIZE_GROUP)}  # fmt: skip
+
+    assert sum(group().get(name, 0) for name in dead) > 0, "nothing left to take over"
+    started = time.time()
+    survivor = _worker(redis_url, out, extra=())
+    try:
+        wait_for(lambda: not set(dead) & set(group()), timeout=90,
+                 what="the dead consumers' results taken over")  # fmt: skip
+        taken_at = time.time()
+        wait_for(lambda: settled(r, "t", 80), timeout=120, what="all results committed")
+    finally:
+        _stop(survivor)
+    # Dead = a heartbeat older than the stale time; looked for every quarter of it, once
+    # the survivor runs (its start, with the tokenizer load, gets the slack).
+    due = max(started, *(beat + HEARTBEAT_STALE_S for beat in beats.values()))
+    assert taken_at - due <= HEARTBEAT_STALE_S / 4 + 20, taken_at - due
+    assert sorted(shard_ids(out / "t")) == sorted(res.id for res in results)
+    assert verify(out / "t") == []
 
 
 @pytest.mark.slow

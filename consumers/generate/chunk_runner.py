@@ -3,10 +3,12 @@ dead-letter what a healthy engine refuses.
 
 Each result is handed off (XADD on the job's results stream) in the same transaction
 that marks the prompt generated for this chunk, so a redelivered chunk (its worker died,
-or its visibility timeout passed) skips the prompts already handed off. The Celery task
-acknowledges the chunk only when this returns (acks_late), i.e. after every prompt is in
-the results stream or the DLQ (docs/design.md, Delivery protocol). A chunk of conversations
-(`--turns all`) runs each one's turns in order (turns.py).
+or was frozen past its lease) skips the prompts already handed off. Every such write
+checks, in its transaction, that this delivery still holds the chunk's lease (lease.py):
+a worker that lost it drops its results. The delivery is acknowledged only after every
+prompt is in the results stream or the DLQ (docs/design.md, Delivery protocol). A chunk
+of conversations (`--turns all`) runs each one's turns in order (turns.py), each turn
+settled once by its own hand-off script.
 """
 
 from __future__ import annotations
@@ -20,20 +22,19 @@ from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import orjson
 import redis
 from redis.typing import EncodableT, FieldT
 
 from regen.common import defaults, jobspec, keys
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.common.connection import bytes_set
+from regen.common.connection import OUTAGE_ERRORS, bytes_set
 from regen.common.heartbeat import RateMeter
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
+from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseBook, LeaseLost
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import EngineRunner
 from regen.consumers.generate.settle import (
-    CHUNK_STATE_TTL_S,
     GIVE_BACK_AFTER_S,
     ChunkDeferred,
     dead_letter,
@@ -64,6 +65,11 @@ class ChunkContext:
     _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _chat_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The leases of the chunks held, renewed by the worker's heartbeat.
+    leases: LeaseBook = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseBook(self.redis)
 
     def count_inflight(self, delta: int) -> None:
         with self._lock:
@@ -94,40 +100,13 @@ class ChunkOutcome:
     dead_lettered: int
 
 
-def _attempts_key(chunk: Chunk) -> str:
-    return keys.chunk_attempts(chunk.job) + ":" + chunk.chunk_id
-
-
-def start_attempt(ctx: ChunkContext, chunk: Chunk) -> tuple[int, list[dict[str, object]]]:
-    """Record this delivery; returns (its index, every delivery so far).
-
-    An attempt stays "started" unless it ends cleanly, so started attempts other than
-    this one are deliveries whose worker died (or that still run elsewhere).
-    """
-    entry = {"worker": ctx.worker, "time": time.time(), "status": "started"}
-    key = _attempts_key(chunk)
-    pipe = ctx.redis.pipeline()
-    pipe.rpush(key, orjson.dumps(entry))
-    pipe.expire(key, CHUNK_STATE_TTL_S)
-    pipe.lrange(key, 0, -1)
-    length, _, history = pipe.execute()
-    return length - 1, [orjson.loads(h) for h in history]
-
-
-def end_attempt(
-    ctx: ChunkContext, chunk: Chunk, index: int, status: str, error: str | None = None
-) -> None:
-    entry = {"worker": ctx.worker, "time": time.time(), "status": status, "error": error}
-    # redis-py's stub types LSET's value as str only; bytes are sent as they are.
-    ctx.redis.lset(_attempts_key(chunk), index, orjson.dumps(entry))  # type: ignore[arg-type]
-
-
 def _dead_letter_all(
     ctx: ChunkContext,
+    lease: ChunkLease,
     chunk: Chunk,
     prompts: list[ChunkPrompt],
     settled: set[str],
-    history: list[dict[str, object]],
+    history: list[Attempt],
 ) -> int:
     """Dead-letter the chunk's open prompts (a conversation at its open turn); returns
     how many ids that settled."""
@@ -141,75 +120,96 @@ def _dead_letter_all(
         "attempts": len(history),
         "history": history,
     }
-    pipe = ctx.redis.pipeline()
     count = 0
-    for prompt in prompts:
-        if prompt.conversation is None:
-            dead_letter(pipe, chunk, prompt, **letter)
-            count += 1
-        else:
-            count += dead_letter_conversation(ctx.redis, pipe, chunk, prompt, settled, **letter)
-    pipe.execute()
+
+    def fill(pipe: redis.client.Pipeline) -> None:
+        nonlocal count
+        count = 0
+        for prompt in prompts:
+            if prompt.conversation is None:
+                dead_letter(pipe, chunk, prompt, **letter)
+                count += 1
+            else:
+                count += dead_letter_conversation(ctx.redis, pipe, chunk, prompt, settled, **letter)
+
+    lease.write(ctx.redis, fill)
     return count
 
 
 def _hand_off(
     ctx: ChunkContext,
+    lease: ChunkLease,
     chunk: Chunk,
     prompt: ChunkPrompt,
     result: GenerateResult,
-    attempt: int,
     sampling: dict[str, Any],
 ) -> None:
     generated = generated_result(
-        chunk, prompt, result, worker=ctx.worker, attempt=attempt, sampling=sampling
+        chunk, prompt, result, worker=ctx.worker, attempt=lease.attempt, sampling=sampling
     )
-    pipe = ctx.redis.pipeline()  # MULTI: the result and the "done" mark land together
     # A dict[bytes, bytes] is a valid fields mapping; the stub's dict type is invariant.
     fields = cast("dict[FieldT, EncodableT]", generated.to_fields())
-    pipe.xadd(keys.results_stream(chunk.job), fields)
-    mark_generated(pipe, chunk, prompt.id)
-    pipe.execute()
-    ctx.tokens.add(result.completion_tokens)
-    ctx.prompts.add()
+
+    def fill(pipe: redis.client.Pipeline) -> None:  # the result and its mark land together
+        pipe.xadd(keys.results_stream(chunk.job), fields)
+        mark_generated(pipe, chunk, prompt.id)
+
+    if lease.write(ctx.redis, fill, prompt_id=prompt.id):
+        ctx.tokens.add(result.completion_tokens)
+        ctx.prompts.add()
 
 
 def _reject(
-    ctx: ChunkContext, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected, attempt: int
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected
 ) -> None:
-    pipe = ctx.redis.pipeline()
-    dead_letter(
-        pipe,
-        chunk,
-        prompt,
-        worker=ctx.worker,
-        reason=Reason.REJECTED_BY_SERVER,
-        message=exc.message,
-        attempts=attempt + 1,
-        server=exc.server,
-    )
-    pipe.execute()
+    def fill(pipe: redis.client.Pipeline) -> None:
+        dead_letter(
+            pipe,
+            chunk,
+            prompt,
+            worker=ctx.worker,
+            reason=Reason.REJECTED_BY_SERVER,
+            message=exc.message,
+            attempts=lease.attempt + 1,
+            server=exc.server,
+        )
+
+    lease.write(ctx.redis, fill, prompt_id=prompt.id)
 
 
-def run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
-    """Raises on an unexpected error, after marking the attempt failed (the task then
-    gives the chunk back; past max_attempts failed or dead deliveries it is dead-lettered).
+def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkOutcome:
+    """Run one delivery of a chunk (`tag`: kombu's delivery tag) and settle it.
+
+    Raises LeaseLost when another delivery took the chunk (nothing more was written),
+    ChunkDeferred when it was given back, and any unexpected error after giving it back
+    with its attempt marked failed (past max_attempts failed or dead deliveries, the
+    next delivery dead-letters it).
     """
     ctx.count_chunks(1)
     try:
-        return _run_chunk(ctx, chunk)
+        lease, history = ctx.leases.start(chunk.job, chunk.chunk_id, tag, ctx.worker)
+        try:
+            return _run_chunk(ctx, lease, chunk, history)
+        except LeaseLost:
+            lease.record_lost(ctx.redis, ctx.worker)
+            raise
+        finally:
+            ctx.leases.release(lease)
     finally:
         ctx.count_chunks(-1)
 
 
-def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
-    attempt, history = start_attempt(ctx, chunk)
+def _run_chunk(
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, history: list[Attempt]
+) -> ChunkOutcome:
     settled = bytes_set(ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id)))
     done = {m.decode() for m in settled}
     todo = [p for p in chunk.prompts if not done.issuperset(p.accounted_ids)]
     # "started" entries other than this one are deliveries whose worker died.
     failed = [
-        h for i, h in enumerate(history) if i != attempt and h["status"] in ("started", "failed")
+        h
+        for i, h in enumerate(history)
+        if i != lease.attempt and h["status"] in ("started", "failed")
     ]
     if len(failed) >= ctx.max_attempts:
         log.error(
@@ -218,26 +218,32 @@ def _run_chunk(ctx: ChunkContext, chunk: Chunk) -> ChunkOutcome:
             len(failed),
             len(todo),
         )
-        dead_lettered = _dead_letter_all(ctx, chunk, todo, done, history)
-        end_attempt(ctx, chunk, attempt, "dead_lettered")
+        dead_lettered = _dead_letter_all(ctx, lease, chunk, todo, done, history)
+        lease.finish(ctx.redis, ctx.worker, "dead_lettered")
         return ChunkOutcome(0, len(done), dead_lettered)
     try:
         if any(p.conversation is not None for p in todo):
-            generated, dead_lettered = run_conversations(ctx, chunk, todo, attempt, done)
+            # Each turn is settled once by its own hand-off script (turn_state.py), which
+            # refuses a turn another delivery settled: no lease check is needed for that.
+            generated, dead_lettered = run_conversations(ctx, chunk, todo, lease.attempt, done)
         else:
-            generated, dead_lettered = _generate_all(ctx, chunk, todo, attempt)
+            generated, dead_lettered = _generate_all(ctx, lease, chunk, todo)
+    except LeaseLost:
+        raise  # nothing to record: the chunk is another's
+    except OUTAGE_ERRORS:
+        raise  # nothing can be recorded: its lease runs out and it comes back
     except ChunkDeferred:
-        end_attempt(ctx, chunk, attempt, "returned")  # not a failure of the chunk
+        lease.give_back(ctx.redis, ctx.worker, "returned")  # not a failure of the chunk
         raise
     except Exception as exc:
-        end_attempt(ctx, chunk, attempt, "failed", error=repr(exc))
+        lease.give_back(ctx.redis, ctx.worker, "failed", error=repr(exc))
         raise
-    end_attempt(ctx, chunk, attempt, "done")
+    lease.finish(ctx.redis, ctx.worker)
     return ChunkOutcome(generated, len(done), dead_lettered)
 
 
 def _generate_all(
-    ctx: ChunkContext, chunk: Chunk, todo: list[ChunkPrompt], attempt: int
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt]
 ) -> tuple[int, int]:
     """Generate every prompt at once; (handed off, dead-lettered)."""
     spec = ctx.spec(chunk.job)
@@ -247,28 +253,36 @@ def _generate_all(
     futures: dict[Future[GenerateResult], ChunkPrompt] = {}
     for prompt in todo:
         request = GenerateRequest(
-            rid=f"{chunk.chunk_id}-{prompt.id}-{attempt}",
+            rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
             prompt_ids=prompt.prompt_ids,
             sampling=dict(sampling),
         )
         futures[ctx.runner.submit(generate_with_retry(ctx.runner, request, deadline))] = prompt
     ctx.count_inflight(len(futures))
+
+    def stop_prompts() -> None:  # a lease a heartbeat found lost stops them at once
+        for future in futures:
+            future.cancel()
+
+    lease.on_lost(stop_prompts)
     generated = rejected = 0
     try:
         for future in as_completed(futures):
+            if lease.lost.is_set():
+                raise LeaseLost("another delivery holds the chunk")
             prompt = futures[future]
             ctx.count_inflight(-1)
             try:
                 result = future.result()
             except PromptRejected as exc:
-                _reject(ctx, chunk, prompt, exc, attempt)
+                _reject(ctx, lease, chunk, prompt, exc)
                 rejected += 1
                 continue
-            _hand_off(ctx, chunk, prompt, result, attempt, sampling)
+            _hand_off(ctx, lease, chunk, prompt, result, sampling)
             generated += 1
     except BaseException:
-        # Leaving early (shutdown, lost Redis): stop the prompts still running so the
-        # engine's capacity goes to the next chunk; the chunk itself comes back unacked.
+        # Leaving early (shutdown, lost lease, Redis out of reach): stop the prompts still
+        # running so the engine's capacity goes to the next chunk.
         for future in futures:
             if future.cancel():
                 ctx.count_inflight(-1)

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from regen.common import dlq, keys, settings
+from regen.common import defaults, dlq, keys, settings
 from regen.common.backoff import Backoff
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.results import GeneratedResult
@@ -24,7 +24,7 @@ log = logging.getLogger("regen.generate")
 
 # Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
 # acknowledgement still finds which prompts are done; then it expires (flat memory).
-CHUNK_STATE_TTL_S = 2 * settings.current().visibility_timeout_s
+CHUNK_STATE_TTL_S = defaults.CHUNK_STATE_TTL_S
 # A chunk still waiting for an unavailable engine this far into the visibility timeout is
 # given back to the queue (results already handed off stay done), rather than be
 # redelivered to a second worker while this one still holds it.

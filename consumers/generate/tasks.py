@@ -12,6 +12,8 @@ from celery.exceptions import Reject
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
 from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
+from regen.consumers.generate.lease import LeaseLost
+from regen.consumers.generate.lease_celery import make_request_class
 from regen.consumers.generate.settle import ChunkDeferred
 
 log = logging.getLogger("regen.generate")
@@ -22,13 +24,26 @@ REQUEUE_PAUSE_S = 2.0
 def register(app: Celery, ctx: ChunkContext) -> None:
     """Bind the generate task to `app`, running chunks in `ctx` (this process's engine)."""
 
-    @app.task(name=GENERATE_TASK, bind=True, acks_late=True, ignore_result=True)
+    @app.task(
+        name=GENERATE_TASK,
+        bind=True,
+        acks_late=True,
+        ignore_result=True,
+        Request=make_request_class(ctx.leases),
+    )
     def generate_chunk(self: Any, payload: dict[str, Any]) -> dict[str, int]:
         # Only chunks for this queue get here: the worker's transport dead-letters any
         # other message before delivering it (poison.py).
         chunk = Chunk.from_payload(payload)
+        # kombu's delivery tag: the key of the delivery in its unacked keys (the lease).
+        tag = (self.request.properties or {}).get("delivery_tag")
         try:
-            outcome = run_chunk(ctx, chunk)
+            outcome = run_chunk(ctx, chunk, tag)
+        except LeaseLost:
+            # Another delivery holds the chunk (this worker was frozen or cut off past its
+            # lease): its results are the ones kept; this run's were not written.
+            log.warning("chunk %s: dropped, another delivery holds it", chunk.chunk_id)
+            return {"generated": 0, "skipped": 0, "dead_lettered": 0, "dropped": 1}
         except ChunkDeferred as exc:
             log.warning("chunk %s: engine unavailable for too long; giving it back", chunk.chunk_id)
             # `from None`: Celery logs every Reject with its traceback, and the chained
@@ -36,8 +51,9 @@ def register(app: Celery, ctx: ChunkContext) -> None:
             raise Reject(f"engine unavailable: {exc}", requeue=True) from None
         except Exception as exc:
             # Give the chunk back rather than let Celery ack a failure (acks_late acks
-            # failed tasks); run_chunk's attempt cap turns a chunk that always fails into
-            # dead letters. The pause keeps a persistent error from spinning.
+            # failed tasks): run_chunk has expired its lease for the next sweep, or else
+            # Celery requeues it. The attempt cap turns a chunk that always fails into
+            # dead letters; the pause keeps a persistent error from spinning.
             log.exception("chunk %s failed; returning it to the queue", chunk.chunk_id)
             time.sleep(REQUEUE_PAUSE_S)
             raise Reject(repr(exc), requeue=True) from None  # the traceback is logged above

@@ -16,13 +16,14 @@ from typing import Any
 
 from celery import Celery, bootsteps
 
-from regen.common import connection, defaults, jobspec
+from regen.common import connection, defaults, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import screen
 from regen.consumers.generate.chunk_runner import ChunkContext
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow import make_flow_control
+from regen.consumers.generate.lease_celery import LeaseKeepingConsumer
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.runner import EngineRunner
@@ -176,6 +177,8 @@ def run_worker(options: WorkerOptions) -> None:
 
     app: Celery = make_app(url)
     screen.install(app, PoisonFilter(r, name))
+    # A lost connection leaves held chunks held (their leases decide): lease_celery.py.
+    app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
@@ -185,7 +188,15 @@ def run_worker(options: WorkerOptions) -> None:
         )
     )
     watcher = Watcher(options, ctx, state)
-    heartbeat = Heartbeat(r, name, lambda: _snapshot(options, ctx, state, concurrency))
+    # Each beat renews the leases of the chunks held: at least four beats per lease.
+    configured = settings.current()
+    heartbeat = Heartbeat(
+        r,
+        name,
+        lambda: _snapshot(options, ctx, state, concurrency),
+        interval_s=min(configured.heartbeat_interval_s, configured.visibility_timeout_s / 4),
+        renew=ctx.leases.renew,
+    )
     metrics = None
     if options.metrics_port is not None:
         metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
@@ -200,7 +211,9 @@ def run_worker(options: WorkerOptions) -> None:
         connection.redact(url),
     )
     try:
-        app.worker_main(
+        # app.start, not worker_main (which drops it), returns Celery's exit code: a
+        # worker stopped by an unrecoverable error must not exit 0.
+        exit_code = app.start(
             [
                 "worker",
                 "--pool",
@@ -224,6 +237,8 @@ def run_worker(options: WorkerOptions) -> None:
         if metrics is not None:
             metrics.close()
         runner.close()
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 def _snapshot(
@@ -237,6 +252,7 @@ def _snapshot(
         "queues": sorted(state.wanted()),
         "concurrency": concurrency,
         "chunks_held": ctx.chunks_held,
+        "leases_held": ctx.leases.held,
         "chunk_limit": ctx.chunk_limit,
         "engine_stats": stats,
         "inflight": ctx.inflight,

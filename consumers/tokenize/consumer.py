@@ -1,8 +1,10 @@
 """The tokenize consumer loop: read results of one or more jobs, write shards, commit.
 
 Results are read with a Redis Streams consumer group (atomic claim, per-entry ack), so
-several consumers can share a job; entries a dead consumer held are taken over with
-XAUTOCLAIM once idle for longer than any live consumer keeps a shard open.
+several consumers can share a job. Entries a dead consumer held are taken over once its
+heartbeat is stale (takeover.py); as a last resort, XAUTOCLAIM takes any entry idle for
+longer than a live consumer keeps a shard open. A Redis outage is waited out: the loop
+backs off, then re-reads what it may have missed.
 """
 
 from __future__ import annotations
@@ -19,16 +21,26 @@ import orjson
 import redis
 
 from regen.common import defaults, jobspec, keys, settings
+from regen.common.backoff import Backoff
 from regen.common.chat_family import detect_family
-from regen.common.connection import bytes_hash
+from regen.common.connection import OUTAGE_ERRORS
+from regen.common.heartbeat import last_seen
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.record import RecordContext
 from regen.consumers.tokenize.shard_files import check_writable
+from regen.consumers.tokenize.takeover import (
+    claim_from,
+    dead_consumers,
+    delete_if_empty,
+    own_left_over,
+)
 
 log = logging.getLogger("regen.tokenize")
+# Waits between tries while Redis is unreachable (restarting, loading its AOF).
+REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 
 # Pending shards are looked at this often; within a lease, so a dead consumer's claims
 # are resolved soon after they expire.
@@ -47,7 +59,9 @@ class TokenizeOptions:
     min_free_bytes: int = defaults.MIN_FREE_BYTES
     batch: int = 256
     block_ms: int = 1000
-    # Entries another consumer holds longer than this are taken over.
+    # Entries any consumer holds longer than this are taken over, whatever its heartbeat
+    # says: above the longest a live consumer keeps a shard open. (A dead consumer's are
+    # taken over within a heartbeat's stale time plus one beat.)
     claim_idle_s: float = defaults.CLAIM_IDLE_S
 
 
@@ -74,6 +88,7 @@ class TokenizeConsumer:
         self._last_seen: dict[str, float] = {}
         self._next_recover = 0.0
         self._next_claim = 0.0
+        self._next_takeover = 0.0
         self._refused: set[str] = set()
         check_writable(options.out_dir)  # raises UnwritableFolder, before any Redis work
         self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
@@ -135,21 +150,37 @@ class TokenizeConsumer:
 
     def _live_owners(self) -> set[str]:
         now = time.time()
-        owners = set()
-        for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
-            beat = orjson.loads(raw)
-            if now - beat.get("last_seen", 0) < settings.current().heartbeat_stale_s:
-                owners.add(name.decode())
-        return owners
+        return {
+            name
+            for name, seen in last_seen(self._r).items()
+            if now - seen < settings.current().heartbeat_stale_s
+        }
 
     # --- the loop ------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        failures = 0
         try:
             while not stop.is_set():
-                self.step()
+                try:
+                    self.step()
+                except OUTAGE_ERRORS as exc:
+                    delay = REDIS_RETRY.delay(failures)
+                    failures += 1
+                    log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
+                    self._after_outage()
+                    stop.wait(delay)
+                else:
+                    failures = 0
         finally:
             self.commit_all()
+
+    def _after_outage(self) -> None:
+        """A read whose reply was lost still moved entries to this consumer: re-read its
+        own pending entries, and do the housekeeping that was due, once Redis is back."""
+        for writer in self.state.writers.values():
+            writer.left_unacked = True
+        self._next_recover = 0.0
 
     def step(self) -> None:
         """One round: housekeeping, a blocking read, commits that are due."""
@@ -163,6 +194,8 @@ class TokenizeConsumer:
                     writer.recover(live)
                 except RedisBehind as exc:
                     self._stop_writing(writer, exc)
+                    continue
+                self._retake_left_over(writer)
         if not self._disk_ok():
             time.sleep(DISK_POLL_S)
             return
@@ -170,6 +203,9 @@ class TokenizeConsumer:
             time.sleep(self._options.block_ms / 1000)
             self._next_recover = 0.0
             return
+        if now >= self._next_takeover:
+            self._next_takeover = now + settings.current().heartbeat_interval_s
+            self._take_over_dead()
         if now >= self._next_claim:
             self._next_claim = now + min(self._options.claim_idle_s / 3, 60.0)
             self._take_over_idle()
@@ -240,6 +276,28 @@ class TokenizeConsumer:
         self.state.behind[job] = str(exc)
         log.error("%s", exc)
 
+    def _take_over_dead(self) -> None:
+        beats = last_seen(self._r)
+        for writer in self.state.writers.values():
+            for dead in dead_consumers(self._r, writer.stream, self.name, beats):
+                taken = 0
+                for entries in claim_from(self._r, writer.stream, dead, self.name):
+                    taken += len(entries)
+                    self._take(writer, entries)
+                if taken:
+                    log.warning("%s: took over %d results of dead %s", writer.job, taken, dead)
+                if delete_if_empty(self._r, writer.stream, dead):
+                    log.info("%s: removed dead consumer %s", writer.job, dead)
+
+    def _retake_left_over(self, writer: JobWriter) -> None:
+        """Read again the entries this consumer left unacknowledged (their ids were held
+        by a pending shard, which recovery may since have resolved)."""
+        if not writer.left_unacked:
+            return
+        writer.left_unacked = False
+        for entries in own_left_over(self._r, writer.stream, self.name, writer.open_entries()):
+            self._take(writer, entries)
+
     def _take_over_idle(self) -> None:
         idle_ms = int(self._options.claim_idle_s * 1000)
         for writer in list(self.state.writers.values()):
@@ -273,6 +331,10 @@ class TokenizeConsumer:
             writer.abandon()
         except RedisBehind as exc:
             self._stop_writing(writer, exc)
+        except OUTAGE_ERRORS as exc:  # the writer has undone what it could; see commit()
+            log.error(
+                "%s: Redis unreachable mid-commit (%s); its results come back", writer.job, exc
+            )
 
     def commit_all(self) -> None:
         for writer in list(self.state.writers.values()):

@@ -21,6 +21,7 @@ from pathlib import Path
 import redis
 
 from regen.common import crashpoints, defaults, dlq, keys
+from regen.common.connection import OUTAGE_ERRORS
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.disk_truth import (
@@ -33,6 +34,7 @@ from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, 
 from regen.consumers.tokenize.shard_files import (
     OpenShard,
     ShardExists,
+    ShardInfo,
     append_manifest,
     describe,
     leftover_owner,
@@ -92,6 +94,9 @@ class JobWriter:
         self._committed_now: set[str] = set()
         # Stream entries per id in the open shard, acked when it commits.
         self._entries: dict[str, list[str]] = {}
+        # Some entries were left unacknowledged, to be read again by this consumer once
+        # what held them is resolved (the consumer re-reads and clears it).
+        self.left_unacked = False
         folder.mkdir(parents=True, exist_ok=True)
         # Refuses a Redis that lost shards of this folder (RedisBehind); the job's first
         # shard starts epoch 1.
@@ -127,6 +132,7 @@ class JobWriter:
                 self._ack([entry_id])
             elif owner is not None:
                 if owner in pending:
+                    self.left_unacked = True
                     continue  # decided when that shard commits or is released
                 self.counters.duplicates += 1
                 self._ack([entry_id])
@@ -218,15 +224,28 @@ class JobWriter:
         info = shard.close_durably()
         try:
             self._check_disk()  # before the claim: a Redis behind would free ids on disk
+            self._commit_closed(shard, info, entries)
         except RedisBehind:
             shard.abort()  # its entries stay unacknowledged
             raise
+        except OUTAGE_ERRORS:
+            # Redis went away mid-commit: drop the temp file if not yet in place. A claim
+            # that landed is resolved by recovery once its lease runs out, from the files
+            # alone; the entries stay unacknowledged and are read again.
+            shard.abort()
+            self.left_unacked = True
+            raise
+
+    def _commit_closed(
+        self, shard: OpenShard, info: ShardInfo, entries: dict[str, list[str]]
+    ) -> None:
         while True:
             taken, claim = self._ledger.claim(shard.name, self.owner, sorted(shard.ids))
             if not taken:
                 break
             # Another consumer holds some ids: leave their entries unacknowledged (they
             # are re-read later and dropped if that shard commits) and write the rest.
+            self.left_unacked = True
             for pid in taken:
                 entries.pop(pid, None)
             info = rewrite_without(shard, set(taken))
@@ -237,6 +256,7 @@ class JobWriter:
             # Too slow to rename safely: undo; the entries come back to a consumer.
             self._ledger.release(claim, owner=self.owner)
             shard.abort()
+            self.left_unacked = True
             log.warning("shard %s of %s abandoned: claim lease ran short", shard.name, self.job)
             return
         crashpoints.hit("tokenize.after_claim")
@@ -258,6 +278,10 @@ class JobWriter:
             info.rows,
             info.compressed_bytes,
         )
+
+    def open_entries(self) -> set[str]:
+        """The stream entries whose records are in the open shard."""
+        return {entry for ids in self._entries.values() for entry in ids}
 
     def abandon(self) -> None:
         """Drop the open shard without committing (disk error); its entries come back."""

@@ -70,8 +70,8 @@ class SGLangHTTPEngine:
         raising EngineUnavailable. None (the default) waits for ever: an outage is not
         the prompt's fault (docs/design.md, "A dead server is not a bad prompt"), and
         failing would only send the chunk round Celery's retries and burn its attempt cap.
-        A worker whose task must end before the broker's visibility timeout passes
-        `deadline` to generate() instead.
+        A worker that gives a chunk back after a while (settle.GIVE_BACK_AFTER_S) passes
+        `deadline` instead.
         """
         self._pool = ServerPool(
             servers,

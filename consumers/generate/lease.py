@@ -1,0 +1,313 @@
+"""Chunk leases: a generate worker holds a delivered chunk only while it renews it.
+
+kombu's Redis transport keeps each delivered, unacknowledged message in `unacked` and its
+delivery time in the `unacked_index` sorted set; the sweep every consumer runs restores
+a message whose score is older than the visibility timeout. regen makes that timeout a
+short lease: each heartbeat moves the scores of the chunks a worker holds to now, so a
+live worker keeps a chunk however long it runs, while a dead worker's chunks are restored
+one lease after its last beat.
+
+A worker holds a chunk while (a) its attempt is the chunk's latest (every delivery that
+starts appends one) and (b) the delivery is still in `unacked_index` (not restored to the
+queue). Every write a chunk makes checks both inside the transaction that writes,
+watching the attempts list, so a worker frozen past its lease that comes back writes
+nothing for a chunk another delivery took. The worker settles each delivery itself, in
+the same kind of transaction: done removes it from kombu's keys, a give-back sets its
+score to 0 so the next sweep restores it, and a lost lease touches nothing (the delivery
+belongs to whoever holds it now). Celery then only updates its local count of held
+messages (lease_celery.py). See docs/design.md, Delivery protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import orjson
+import redis
+
+from regen.common import defaults, keys, settings
+from regen.common.backoff import Backoff
+from regen.common.connection import OUTAGE_ERRORS
+
+log = logging.getLogger("regen.generate")
+# Waits between tries of a write while Redis is unreachable.
+REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
+
+Attempt = dict[str, object]
+
+# KEYS: unacked_index, then per lease its attempts list and generated set.
+# ARGV: now, state TTL, then per lease its delivery tag ('' = none) and attempt index.
+# Renews the leases still held (and, when half gone, the TTL of their chunk's state);
+# returns the 1-based positions of the leases lost.
+_RENEW_LUA = """
+local lost = {}
+local ttl = tonumber(ARGV[2])
+for i = 1, (#KEYS - 1) / 2 do
+  local attempts, generated = KEYS[2 * i], KEYS[2 * i + 1]
+  local tag = ARGV[2 * i + 1]
+  local held = redis.call('LLEN', attempts) == tonumber(ARGV[2 * i + 2]) + 1
+  if held and tag ~= '' then held = redis.call('ZSCORE', KEYS[1], tag) ~= false end
+  if held then
+    if tag ~= '' then redis.call('ZADD', KEYS[1], 'XX', ARGV[1], tag) end
+    for _, key in ipairs({attempts, generated}) do
+      if redis.call('TTL', key) < ttl / 2 then redis.call('EXPIRE', key, ttl) end
+    end
+  else
+    table.insert(lost, i)
+  end
+end
+return lost
+"""
+
+
+class LeaseLost(Exception):
+    """Another delivery of the chunk holds it now: this one's work is dropped."""
+
+
+def _attempt(worker: str, status: str, error: str | None = None) -> bytes:
+    return orjson.dumps({"worker": worker, "time": time.time(), "status": status, "error": error})
+
+
+class ChunkLease:
+    """One delivery of one chunk to this worker: its attempt and its kombu delivery tag."""
+
+    def __init__(
+        self, book: LeaseBook, job: str, chunk_id: str, tag: str | None, attempt: int
+    ) -> None:
+        self.job = job
+        self.chunk_id = chunk_id
+        # The same in every delivery of a message (kombu sets it at publish); None when
+        # the chunk did not come through kombu's Redis transport.
+        self.tag = tag
+        self.attempt = attempt
+        self.lost = threading.Event()
+        self._book = book
+        self._on_lost: list[Callable[[], None]] = []
+        self._settled = False
+        # Set just before the write that ends the attempt: from then on that write's
+        # own check decides (a renewal racing it would find its own ack as a loss).
+        self.ending = False
+
+    @property
+    def attempts_key(self) -> str:
+        return keys.chunk_attempts(self.job, self.chunk_id)
+
+    @property
+    def generated_key(self) -> str:
+        return keys.chunk_generated(self.job, self.chunk_id)
+
+    # --- losing it ---------------------------------------------------------------------
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Run `callback` (from any thread) once the lease is known lost."""
+        self._on_lost.append(callback)
+        if self.lost.is_set():
+            callback()
+
+    def mark_lost(self, why: str) -> None:
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        self._mark_settled()
+        log.warning(
+            "chunk %s of %s: lease lost (%s); its results from here on are dropped",
+            self.chunk_id,
+            self.job,
+            why,
+        )
+        for callback in self._on_lost:
+            callback()
+
+    def _mark_settled(self) -> None:
+        """Celery must not ack or reject this delivery in Redis: regen has settled it."""
+        if not self._settled:
+            self._settled = True
+            self._book.mark_settled(self.tag)
+
+    # --- writing under the lease -------------------------------------------------------
+
+    def write(
+        self,
+        r: redis.Redis,
+        fill: Callable[[redis.client.Pipeline], None],
+        prompt_id: str | None = None,
+    ) -> bool:
+        """Run `fill`'s commands in one MULTI if this delivery still holds the chunk.
+
+        Raises LeaseLost when it does not. With `prompt_id`, writes nothing (and returns
+        False) when that prompt is already settled: a retry whose first try landed but
+        whose reply was lost. A Redis outage is waited out for up to one lease; past it
+        the lease has run out anyway, and the error is raised.
+        """
+        deadline = time.monotonic() + settings.current().visibility_timeout_s
+        failures = 0
+        while True:
+            try:
+                return self._write_once(r, fill, prompt_id)
+            except OUTAGE_ERRORS as exc:
+                if time.monotonic() > deadline:
+                    raise
+                delay = REDIS_RETRY.delay(failures)
+                failures += 1
+                log.warning(
+                    "chunk %s: Redis unreachable (%s); retrying in %.1f s",
+                    self.chunk_id,
+                    exc,
+                    delay,
+                )
+                time.sleep(delay)
+
+    def _write_once(
+        self,
+        r: redis.Redis,
+        fill: Callable[[redis.client.Pipeline], None],
+        prompt_id: str | None,
+    ) -> bool:
+        with r.pipeline() as pipe:
+            while True:
+                try:
+                    # A delivery that starts appends to the attempts list: watching it
+                    # makes the check below hold until EXEC.
+                    pipe.watch(self.attempts_key)
+                    self._check(pipe)
+                    if prompt_id is not None and pipe.sismember(self.generated_key, prompt_id):
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    fill(pipe)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def _check(self, pipe: redis.client.Pipeline) -> None:
+        if pipe.llen(self.attempts_key) != self.attempt + 1:
+            why = "a later delivery of the chunk started"
+        elif self.tag is not None and pipe.zscore(keys.KOMBU_UNACKED_INDEX, self.tag) is None:
+            why = "its delivery went back to the queue"
+        else:
+            return
+        pipe.unwatch()
+        self.mark_lost(why)
+        raise LeaseLost(why)
+
+    # --- settling the delivery ---------------------------------------------------------
+
+    def finish(self, r: redis.Redis, worker: str, status: str = "done") -> None:
+        """End the attempt and acknowledge the delivery (every prompt is settled)."""
+
+        def fill(pipe: redis.client.Pipeline) -> None:
+            self._end(pipe, worker, status)
+            if self.tag is not None:
+                pipe.zrem(keys.KOMBU_UNACKED_INDEX, self.tag)
+                pipe.hdel(keys.KOMBU_UNACKED, self.tag)
+
+        self.ending = True
+        self.write(r, fill)
+        self._mark_settled()
+
+    def give_back(self, r: redis.Redis, worker: str, status: str, error: str | None = None) -> None:
+        """End the attempt and expire the lease: the next sweep puts the chunk back on its
+        queue (prompts already settled stay done)."""
+
+        def fill(pipe: redis.client.Pipeline) -> None:
+            self._end(pipe, worker, status, error)
+            if self.tag is not None:
+                pipe.zadd(keys.KOMBU_UNACKED_INDEX, {self.tag: 0}, xx=True)
+
+        self.ending = True
+        self.write(r, fill)
+        self._mark_settled()
+
+    def record_lost(self, r: redis.Redis, worker: str) -> None:
+        """Say in the chunk's history that this attempt was dropped, not dead."""
+        try:
+            pipe = r.pipeline()
+            self._end(pipe, worker, "lost")
+            pipe.execute()
+        except redis.RedisError as exc:  # only history: the chunk is another's now
+            log.warning("chunk %s: could not record the lost attempt: %s", self.chunk_id, exc)
+
+    def _end(
+        self, pipe: redis.client.Pipeline, worker: str, status: str, error: str | None = None
+    ) -> None:
+        # redis-py's stub types LSET's value as str only; bytes are sent as they are.
+        pipe.lset(self.attempts_key, self.attempt, _attempt(worker, status, error))  # type: ignore[arg-type]
+
+
+class LeaseBook:
+    """The chunks this worker holds: renewed with every heartbeat."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self._r = r
+        self._lock = threading.Lock()
+        self._held: dict[int, ChunkLease] = {}
+        self._settled: Counter[str | None] = Counter()
+        self._renew = r.register_script(_RENEW_LUA)
+
+    def start(
+        self, job: str, chunk_id: str, tag: str | None, worker: str
+    ) -> tuple[ChunkLease, list[Attempt]]:
+        """Record a delivery's attempt and hold its lease; returns it with every attempt
+        so far. An attempt stays "started" unless it ends, so started attempts other
+        than this one are deliveries whose worker died (or still runs elsewhere)."""
+        key = keys.chunk_attempts(job, chunk_id)
+        pipe = self._r.pipeline()
+        pipe.rpush(key, _attempt(worker, "started"))
+        pipe.expire(key, defaults.CHUNK_STATE_TTL_S)
+        pipe.lrange(key, 0, -1)
+        length, _, history = pipe.execute()
+        lease = ChunkLease(self, job, chunk_id, tag, length - 1)
+        with self._lock:
+            self._held[id(lease)] = lease
+        return lease, [orjson.loads(h) for h in history]
+
+    def release(self, lease: ChunkLease) -> None:
+        """Stop renewing: the chunk's run is over, settled or not (an unsettled one
+        comes back when its lease runs out)."""
+        with self._lock:
+            self._held.pop(id(lease), None)
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def renew(self) -> None:
+        """Move every held lease's score to now; mark those another delivery took."""
+        with self._lock:
+            leases = list(self._held.values())
+        if not leases:
+            return
+        lua_keys = [keys.KOMBU_UNACKED_INDEX]
+        args: list[str | int | float] = [time.time(), defaults.CHUNK_STATE_TTL_S]
+        for lease in leases:
+            lua_keys += [lease.attempts_key, lease.generated_key]
+            args += [lease.tag or "", lease.attempt]
+        for position in self._renew(keys=lua_keys, args=args):
+            lost = leases[int(position) - 1]
+            if lost.ending:
+                continue
+            lost.mark_lost("its delivery was restored or redelivered while this worker was away")
+            self.release(lost)
+
+    # --- what Celery must leave alone --------------------------------------------------
+
+    def mark_settled(self, tag: str | None) -> None:
+        with self._lock:
+            self._settled[tag] += 1
+
+    def take_settled(self, tag: str | None) -> bool:
+        """Whether regen settled this delivery itself (then Celery must not ack or
+        reject it in Redis); asked once per delivery."""
+        with self._lock:
+            if self._settled[tag] <= 0:
+                return False
+            self._settled[tag] -= 1
+            if not self._settled[tag]:
+                del self._settled[tag]
+            return True

@@ -1,0 +1,104 @@
+"""Chunk leases against a real Redis: who may write for a chunk, and what renewal does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from regen.common import keys
+from regen.consumers.generate.lease import LeaseBook, LeaseLost
+
+TAG = "delivery-tag-1"
+
+
+def deliver(r: redis.Redis, tag: str = TAG, at: float | None = None) -> None:
+    """What kombu writes when it delivers a message: its index score and its body."""
+    r.zadd(keys.KOMBU_UNACKED_INDEX, {tag: time.time() if at is None else at})
+    r.hset(keys.KOMBU_UNACKED, tag, b"[message, exchange, routing key]")
+
+
+def note(pipe: redis.client.Pipeline, what: str) -> None:
+    pipe.rpush("written", what)
+
+
+def written(r: redis.Redis) -> list[bytes]:
+    return r.lrange("written", 0, -1)
+
+
+def test_renewal_moves_only_the_held_deliveries_to_now(r: redis.Redis) -> None:
+    old = time.time() - 50
+    deliver(r, at=old)
+    deliver(r, "someone-elses", at=old)
+    book = LeaseBook(r)
+    book.start("j", "c1", TAG, "w1")
+    book.renew()
+    assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) == pytest.approx(time.time(), abs=5)
+    assert r.zscore(keys.KOMBU_UNACKED_INDEX, "someone-elses") == pytest.approx(old)
+
+
+def test_a_later_delivery_takes_the_chunk_from_the_earlier_one(r: redis.Redis) -> None:
+    deliver(r)
+    frozen_book, live_book = LeaseBook(r), LeaseBook(r)
+    frozen, _ = frozen_book.start("j", "c1", TAG, "frozen")
+    live, history = live_book.start("j", "c1", TAG, "live")  # redelivered: same tag
+    assert [h["worker"] for h in history] == ["frozen", "live"]
+
+    with pytest.raises(LeaseLost):
+        frozen.write(r, lambda pipe: note(pipe, "stale"))
+    assert live.write(r, lambda pipe: note(pipe, "fresh"))
+    assert written(r) == [b"fresh"]
+    # Celery must leave the frozen delivery alone once, and only it.
+    assert frozen_book.take_settled(TAG) and not frozen_book.take_settled(TAG)
+    assert not live_book.take_settled(TAG)
+
+
+def test_renewal_finds_a_lost_lease_and_stops_the_chunk(r: redis.Redis) -> None:
+    deliver(r)
+    book = LeaseBook(r)
+    lease, _ = book.start("j", "c1", TAG, "w1")
+    stopped = []
+    lease.on_lost(lambda: stopped.append(True))
+    LeaseBook(r).start("j", "c1", TAG, "w2")
+    book.renew()
+    assert lease.lost.is_set() and stopped == [True] and book.held == 0
+
+
+def test_a_delivery_restored_to_the_queue_is_no_longer_held(r: redis.Redis) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    r.zrem(keys.KOMBU_UNACKED_INDEX, TAG)  # kombu's sweep restored it
+    with pytest.raises(LeaseLost):
+        lease.write(r, lambda pipe: note(pipe, "stale"))
+    assert written(r) == []
+
+
+def test_a_prompt_already_settled_is_not_written_twice(r: redis.Redis) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+
+    def hand_off(pipe: redis.client.Pipeline) -> None:
+        note(pipe, "p1")
+        pipe.sadd(keys.chunk_generated("j", "c1"), "p1")
+
+    assert lease.write(r, hand_off, prompt_id="p1")
+    assert not lease.write(r, hand_off, prompt_id="p1")  # a retry after a lost reply
+    assert written(r) == [b"p1"]
+
+
+def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis) -> None:
+    deliver(r)
+    deliver(r, "other")
+    book = LeaseBook(r)
+    done, _ = book.start("j", "c1", TAG, "w1")
+    returned, _ = book.start("j", "c2", "other", "w1")
+    done.finish(r, "w1")
+    returned.give_back(r, "w1", "returned")
+    assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None
+    assert not r.hexists(keys.KOMBU_UNACKED, TAG)
+    # Score 0: the next sweep, whoever runs it, puts the chunk back on its queue.
+    assert r.zscore(keys.KOMBU_UNACKED_INDEX, "other") == 0
+    statuses = [r.lindex(lease.attempts_key, 0) for lease in (done, returned)]
+    assert b'"done"' in statuses[0] and b'"returned"' in statuses[1]
+    assert book.take_settled(TAG) and book.take_settled("other")
