@@ -165,7 +165,7 @@ def test_a_poison_chunk_dead_letters_each_conversation_at_its_open_turn(
     r.sadd(keys.chunk_generated("j", chunk.chunk_id), ids[0])  # as turn 0's hand-off does
     r.hset(answers, "0", orjson.dumps(answer))
     started = orjson.dumps({"worker": "w", "time": 0.0, "status": "started"})
-    r.rpush(keys.chunk_attempts("j") + ":" + chunk.chunk_id, *[started] * 3)
+    r.rpush(keys.chunk_attempts("j", chunk.chunk_id), *[started] * 3)
 
     ctx = ChunkContext(redis=r, runner=None, max_attempts=3)  # type: ignore[arg-type]
     outcome = run_chunk(ctx, chunk)
