@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from click.testing import CliRunner, Result
 from regen.cli_status import status, verify
 from regen.common import dlq, keys
 from regen.common.jobspec import JobSpec
+from regen.common.queues import queue_lists
 from regen.consumers.tokenize.commit import CommitLedger, Sample
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.status_snapshot import window_rates
@@ -216,6 +218,38 @@ def test_status_flags_a_stale_worker_and_lists_no_jobs(redis_server: RedisServer
     assert "STALE" in table and "DOWN" in table and "no jobs" in table
     assert cli(status, url, "--watch").output == table  # not a terminal: drawn once
     assert cli(status, url, "--job", "nope").exit_code != 0
+
+
+def test_a_chunk_kombu_is_delivering_is_counted_in_flight(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """kombu's BRPOP takes a message off its queue and a later round trip puts it in
+    `unacked` (as `[message, exchange, routing key]`, the message's text kept as it
+    was): a count that falls in between is retaken, not reported as lost."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    spec = enqueue_prompts(url, tmp_path, NORMAL[:8], job=JOB)
+    (queue,) = [name for name in queue_lists(spec.queue) if r.llen(name)]
+    message = r.rpop(queue)
+    assert message is not None
+    tag = orjson.loads(message)["properties"]["delivery_tag"]
+    assert status_json(url)["prompts"]["unplaced"] == 4  # a chunk in neither place
+
+    delivered = threading.Timer(
+        0.15,
+        lambda: (
+            r.pipeline()
+            .zadd(keys.KOMBU_UNACKED_INDEX, {tag: time.time()})
+            .hset(keys.KOMBU_UNACKED, tag, b'[%s, "", "%s"]' % (message, queue.encode()))
+            .execute()
+        ),
+    )
+    delivered.start()
+    job = status_json(url)
+    delivered.join()
+    assert job["prompts"]["unplaced"] == 0 and job["prompts"]["in_flight"] == 4, job
+    assert job["chunks"] == {"waiting": 1, "in_flight": 1}
 
 
 def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> None:

@@ -20,6 +20,7 @@ ids come back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,8 +35,10 @@ from regen.consumers.tokenize.commit import COUNT_LUA, CommitLedger
 # inside Redis, so keep it small enough that Redis never stalls on one call.
 MESSAGES_PER_CALL = 16
 ENTRIES_PER_CALL = 500
-# A count is retaken when a chunk was published while it was taken (see count_places).
-COUNT_ATTEMPTS = 3
+# A count is retaken when a chunk was published while it was taken, or one was being
+# delivered (see count_places); the wait before a retake grows with each attempt.
+COUNT_ATTEMPTS = 4
+IN_DELIVERY_WAIT_S = 0.1
 
 # The Celery task id (regen sets it to the chunk id) from a kombu message as JSON: the
 # message's "headers" come after its base64 body, which holds no quotes, and their
@@ -211,8 +214,12 @@ def count_places(r: redis.Redis, spec: JobSpec) -> PlaceCounts:
 
     The chunk ids are found first (sliced reads), then every count is read in one
     script: a prompt handed off or committed meanwhile is counted once, its chunk
-    showing it generated. Only a chunk published between the two would be missed, so
-    the count is retaken (a few times at most) when the job's chunk total moved.
+    showing it generated. Two moves can still hide a chunk from one reading, so the
+    count is retaken (a few times at most, the last reading kept) when either shows:
+    a chunk published between the two reads (the job's chunk total moved), or prompts
+    in no place. The latter is a chunk kombu is delivering: its BRPOP takes the message
+    off the queue and a later round trip puts it in `unacked`, and in between (longer
+    while the generate worker's screen checks it) the chunk is in neither.
     """
     job = spec.name
     dead: dict[str, dict[str, int]] = {}
@@ -220,11 +227,11 @@ def count_places(r: redis.Redis, spec: JobSpec) -> PlaceCounts:
     for stage in keys.STAGES:
         by_reason = dead.setdefault(stage, {})
         for entry_id, reason in dead_letter_reasons(r, job, stage).items():
-            counts = by_reason if is_prompt_entry(entry_id) else other
-            counts[reason] = counts.get(reason, 0) + 1
+            tally = by_reason if is_prompt_entry(entry_id) else other
+            tally[reason] = tally.get(reason, 0) + 1
     script = r.register_script(_COUNT_LUA)
     ledger = CommitLedger(r, job)
-    for _ in range(COUNT_ATTEMPTS):
+    for attempt in range(1, COUNT_ATTEMPTS + 1):
         published = r.hlen(keys.job_chunks(job))
         chunks = window_chunks(r, spec)
         lua_keys = [
@@ -239,25 +246,28 @@ def count_places(r: redis.Redis, spec: JobSpec) -> PlaceCounts:
         total, results, committed, claimed, now_published, purged, *rest = map(
             int, script(lua_keys)
         )
-        if now_published == published:
+        n_stages = len(keys.STAGES)
+        in_dlq, generated = rest[:n_stages], rest[n_stages:]
+        open_by_place = {True: 0, False: 0}
+        for (in_flight, size), done in zip(chunks.values(), generated, strict=True):
+            open_by_place[in_flight] += max(size - done, 0)
+        n_in_flight = sum(1 for in_flight, _ in chunks.values() if in_flight)
+        counts = PlaceCounts(
+            total=total,
+            waiting=open_by_place[False],
+            generating=open_by_place[True],
+            results_pending=results,
+            committing=claimed,
+            done=committed - claimed,
+            dead_lettered=sum(in_dlq) - sum(other.values()),
+            purged=purged,
+            waiting_chunks=len(chunks) - n_in_flight,
+            in_flight_chunks=n_in_flight,
+            dead_letters=dead,
+            other_dead_letters=other,
+        )
+        if now_published == published and counts.unplaced == 0:
             break
-    n_stages = len(keys.STAGES)
-    in_dlq, generated = rest[:n_stages], rest[n_stages:]
-    open_by_place = {True: 0, False: 0}
-    for (in_flight, size), done in zip(chunks.values(), generated, strict=True):
-        open_by_place[in_flight] += max(size - done, 0)
-    n_in_flight = sum(1 for in_flight, _ in chunks.values() if in_flight)
-    return PlaceCounts(
-        total=total,
-        waiting=open_by_place[False],
-        generating=open_by_place[True],
-        results_pending=results,
-        committing=claimed,
-        done=committed - claimed,
-        dead_lettered=sum(in_dlq) - sum(other.values()),
-        purged=purged,
-        waiting_chunks=len(chunks) - n_in_flight,
-        in_flight_chunks=n_in_flight,
-        dead_letters=dead,
-        other_dead_letters=other,
-    )
+        if counts.unplaced and attempt < COUNT_ATTEMPTS:
+            time.sleep(IN_DELIVERY_WAIT_S * attempt)
+    return counts
