@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from regen.common import settings
 
@@ -89,7 +91,11 @@ class EmbeddedRedis:
         return self.data_dir / "redis.pid"
 
     def _client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        # No retries: this client asks "is it up?", and redis-py's default retries a
+        # refused connection for ~4 s, which made every start (and stop) that slow.
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+        )
 
     def running(self) -> bool:
         """True when our server (not some other Redis on the port) answers."""

@@ -8,6 +8,7 @@ only used when it behaves exactly like the original (same fingerprint).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -46,12 +47,26 @@ def load_cached(
 
 
 def _cache_key(source: Path) -> str:
-    import transformers
-
     stat = source.stat()
-    # The conversion is transformers' code, so a new version gets a fresh entry.
-    raw = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    # The conversion is transformers' code, so a new version gets a fresh entry. Its
+    # version comes from the package metadata: importing transformers costs ~0.6 s.
+    raw = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{importlib.metadata.version('transformers')}"
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def _load_entry(entry: Path) -> PreTrainedTokenizerBase:
+    """Load a saved tokenizer folder. transformers saves a GGUF-converted tokenizer as
+    its generic `TokenizersBackend`; that class is loaded directly, because going through
+    AutoTokenizer imports torch (transformers' config machinery), over a second of a
+    warm `regen enqueue`'s start-up. Any other class goes through AutoTokenizer."""
+    config = json.loads((entry / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(entry), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
 
 
 def read_cache(entry: Path) -> PreTrainedTokenizerBase | None:
@@ -59,11 +74,9 @@ def read_cache(entry: Path) -> PreTrainedTokenizerBase | None:
     marker = entry / CACHE_MARKER
     if not marker.is_file():
         return None
-    from transformers import AutoTokenizer
-
     try:
         expected = json.loads(marker.read_text(encoding="utf-8"))["fingerprint"]
-        tokenizer = AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+        tokenizer = _load_entry(entry)
     except Exception as exc:  # a broken cache must never make a load fail
         log.warning("ignoring unreadable tokenizer cache %s: %s", entry, exc)
         return None
@@ -79,8 +92,6 @@ def _write_cache(entry: Path, tokenizer: PreTrainedTokenizerBase, source: Path) 
     Written to a temporary folder and renamed into place, so a reader never sees half an
     entry and concurrent writers simply lose the race. Failures only cost the speed-up.
     """
-    from transformers import AutoTokenizer
-
     try:
         shutil.rmtree(entry, ignore_errors=True)  # a stale or broken entry
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +99,7 @@ def _write_cache(entry: Path, tokenizer: PreTrainedTokenizerBase, source: Path) 
         try:
             tokenizer.save_pretrained(str(tmp))
             fingerprint = tokenizer_fingerprint(tokenizer)
-            reloaded = AutoTokenizer.from_pretrained(str(tmp), local_files_only=True)
+            reloaded = _load_entry(tmp)
             if tokenizer_fingerprint(reloaded) != fingerprint:
                 log.warning("not caching the tokenizer of %s: the saved copy differs", source)
                 return

@@ -511,6 +511,26 @@ def test_disk_cache_gives_identical_tokenizer(
         )
 
 
+def test_a_warm_load_imports_no_torch(
+    smollm2_tokenizer: PreTrainedTokenizerBase, tokenizer_cache_dir: Path
+) -> None:
+    """Importing torch is over a second of a warm `regen enqueue`'s start-up; a cached
+    tokenizer needs none of it."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from regen.common.tokenizer import load_tokenizer\n"
+        f"tok = load_tokenizer('smollm2', cache_dir=Path({str(tokenizer_cache_dir)!r}))\n"
+        f"assert Path(tok.name_or_path).parent == Path({str(tokenizer_cache_dir)!r})\n"
+        "print('torch' in sys.modules)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
 def test_disk_cache_entry_that_no_longer_matches_is_ignored(
     smollm2_tokenizer: PreTrainedTokenizerBase, tokenizer_cache_dir: Path, tmp_path: Path
 ) -> None:
