@@ -25,7 +25,11 @@ from regen.common import dlq, keys
 from regen.consumers.generate.engine import PromptRejected
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_replies import Failure, classify_error
-from regen.consumers.generate.engines.sglang_router import RouterError, router_worker_urls
+from regen.consumers.generate.engines.sglang_router import (
+    RouterError,
+    parse_worker_list,
+    router_worker_urls,
+)
 from tests.generate_harness import Worker, enqueue_prompts, result_ids
 from tests.helpers import wait_for
 from tests.sglang_standin.process import StandinHandle, free_port, run_standin
@@ -120,6 +124,18 @@ def test_a_workers_own_answer_passed_through_the_router_keeps_its_meaning() -> N
     assert classify_error(500, relayed, "r").kind == "server_error"  # type: ignore[union-attr]
     too_long = b'{"error":{"message":"The input (400 tokens) is longer than the model\'s"}}'
     assert isinstance(classify_error(400, too_long, "r"), PromptRejected)
+
+
+def test_a_worker_list_names_each_server_once() -> None:
+    # --dp-aware lists one entry per data-parallel rank (observed with 0.3.2).
+    ranks = b'{"workers":[{"url":"http://h:1@1"},{"url":"http://h:1@0"},{"url":"http://g:2"}]}'
+    assert parse_worker_list(ranks, "r") == ["http://h:1", "http://g:2"]
+    assert parse_worker_list(b'{"urls":["http://h:1","http://g:2"]}', "r") == [
+        "http://h:1",
+        "http://g:2",
+    ]
+    with pytest.raises(RouterError, match="not a worker list"):
+        parse_worker_list(b'{"workers": "none"}', "r")
 
 
 # --- the real router ---------------------------------------------------------------------

@@ -42,7 +42,7 @@ async def router_worker_urls(
     A router started with --dp-aware lists one entry per data-parallel rank,
     `URL@RANK`; those are one server, and it is listed once. Credentials in
     `router_url` are sent as basic auth (they win over an Authorization in `headers`).
-    Raises RouterError when the router cannot be asked or lists no workers endpoint.
+    Raises RouterError when the router cannot be asked or has no worker-list endpoint.
     """
     url, label, auth = split_credentials(router_url)
     sent = dict(headers or {})
@@ -59,7 +59,7 @@ async def router_worker_urls(
             if status != 200:
                 text = body.decode("utf-8", "replace")[:300]
                 raise RouterError(f"{label}{path} answered HTTP {status}: {text}")
-            return _server_urls(body, f"{label}{path}")
+            return parse_worker_list(body, f"{label}{path}")
     finally:
         if own_session:
             await http.close()
@@ -85,7 +85,9 @@ async def _get(
         raise RouterError(f"cannot ask {label} for its workers: {type(exc).__name__}") from None
 
 
-def _server_urls(body: bytes, where: str) -> list[str]:
+def parse_worker_list(body: bytes, where: str) -> list[str]:
+    """Server URLs from a /workers or /list_workers body, each once (RouterError if it
+    is neither); `where` names the endpoint in the error."""
     try:
         data: Any = orjson.loads(body)
         if "workers" in data:
