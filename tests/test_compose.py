@@ -198,7 +198,7 @@ def test_the_generate_worker_waits_for_a_healthy_sglang_server() -> None:
     assert "/health_generate" in " ".join(sglang["healthcheck"]["test"])
     server = options_of(regen_services()["generate"])["--server"]
     port = options_of(as_argv(sglang["command"]))["--port"]
-    assert server == f"http://sglang:{port}"
+    assert server == f"${{SGLANG_URL:-http://sglang:{port}}}"
     assert "--enable-metrics" in as_argv(sglang["command"])
     (device,) = sglang["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"]
@@ -223,3 +223,25 @@ def test_regen_environment_variables_are_ones_the_code_reads() -> None:
         for variable in SERVICES[name].get("environment", {}):
             if variable.startswith("REGEN_"):
                 assert f'"{variable}"' in source, f"{name}: nothing reads {variable}"
+
+
+def test_the_optional_router_fronts_the_sglang_server_with_flags_it_accepts() -> None:
+    router = SERVICES["router"]
+    assert router["profiles"] == ["router"]
+    assert router["depends_on"]["sglang"]["condition"] == "service_healthy"
+    argv = as_argv(router["command"])
+    assert argv[:3] == ["python3", "-m", "sglang_router.launch_router"]
+    options = options_of(argv)
+    sglang_port = options_of(as_argv(SERVICES["sglang"]["command"]))["--port"]
+    assert options["--worker-urls"] == f"http://sglang:{sglang_port}"
+    assert options["--policy"] == "cache_aware"
+    # A wedged SGLang server passes /health (docs/design.md, "SGLang contract").
+    assert options["--health-check-endpoint"] == "/health_generate"
+    published = [str(p) for p in router["ports"]]
+    assert any(p.endswith(f":{options['--port']}") for p in published), published
+    assert any(p.endswith(f":{options['--prometheus-port']}") for p in published), published
+    assert f"localhost:{options['--port']}/readiness" in " ".join(router["healthcheck"]["test"])
+    # The router's own parser, where it is installed (the dev extra): every flag exists.
+    launcher = pytest.importorskip("sglang_router.launch_router")
+    args = launcher.parse_router_args(argv[3:])
+    assert args.worker_urls == [options["--worker-urls"]]

@@ -10,6 +10,8 @@ Failures are sorted by what they say about the *server*:
 | 503 / 429 (queue full)                           | overloaded    | back off | retry     |
 | refused, connect timeout                         | connect       | down     | retry     |
 | 502 / 504 from a proxy in front                  | gateway       | down     | retry     |
+| SGLang's router reached no worker (500/503/504   | gateway       | down     | retry     |
+|   with an upstream error code)                   |               |          |           |
 | reset, closed before a full response             | disconnect    | down (*) | retry     |
 | read timeout (request_timeout_s)                 | timeout       | down     | retry     |
 | 500 and other 5xx                                | server_error  | down     | bounded   |
@@ -40,6 +42,14 @@ from regen.consumers.generate.engine import GenerateRequest, GenerateResult, Pro
 REJECT_STATUSES = frozenset({400, 413, 422})
 OVERLOAD_STATUSES = frozenset({429, 503})
 GATEWAY_STATUSES = frozenset({502, 504})
+# SGLang's router (sglang-router) names its own failures in `{"error": {"code"}}`. These
+# say it got no answer from any worker (a dead one, or none registered or healthy): the
+# router is a gateway with nothing behind it, not a server that answered badly. Its
+# "call_upstream_status_error" carries a worker's own status and is classified by it
+# (docs/design.md, "Behind SGLang's router").
+ROUTER_UPSTREAM_CODE_PREFIX = "call_upstream_"
+ROUTER_WORKER_STATUS_CODE = "call_upstream_status_error"
+ROUTER_NO_WORKER_CODE = "no_available_workers"
 
 
 class Failure(Exception):
@@ -65,7 +75,32 @@ def transport_failure(exc: aiohttp.ClientError | asyncio.TimeoutError) -> Failur
 
 def classify_error(status: int, body: bytes, server: str) -> Failure | PromptRejected:
     """The exception for a non-200 reply (returned, for the caller to raise)."""
-    return classify_status(status, error_message(status, body), server)
+    message = error_message(status, body)
+    code = router_error_code(body)
+    if code is not None and reached_no_worker(code):
+        return Failure("gateway", f"HTTP {status}: {code}: {message}", down=True)
+    return classify_status(status, message, server)
+
+
+def reached_no_worker(router_code: str) -> bool:
+    """Whether a router error code says that no worker answered at all."""
+    if router_code == ROUTER_NO_WORKER_CODE:
+        return True
+    return router_code.startswith(ROUTER_UPSTREAM_CODE_PREFIX) and (
+        router_code != ROUTER_WORKER_STATUS_CODE
+    )
+
+
+def router_error_code(body: bytes) -> str | None:
+    """The `error.code` string of an sglang-router error body; None for other bodies
+    (SGLang's own error codes are integers)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def classify_status(status: int, message: str, server: str) -> Failure | PromptRejected:
