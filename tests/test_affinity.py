@@ -9,11 +9,13 @@ import time
 
 import orjson
 import pytest
+from rich.console import Console
 
 from regen.common.backoff import Backoff
 from regen.consumers.generate.engine import GenerateRequest
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import parse_result
+from regen.status_view import workers_table
 from tests.sglang_standin.prefix_cache import PrefixCache
 
 URLS = ["http://a:30000", "http://b:30000", "http://c:30000"]
@@ -172,3 +174,17 @@ def test_the_prefix_cache_holds_its_token_budget_evicting_old_tails_first() -> N
     assert cache.match([1, 2, 7, 8, 0]) == 4
     assert cache.match([9, 10, 0]) == 2
     assert PrefixCache(0).match([1, 2, 3]) == 0
+
+
+def test_status_shows_each_servers_hit_rate_and_nothing_while_it_is_unknown() -> None:
+    servers = [
+        {"url": "http://a:30000", "healthy": True, "inflight": 2, "cache_hit_rate": 0.43},
+        {"url": "http://b:30000", "healthy": True, "inflight": 1, "cache_hit_rate": None},
+    ]
+    beat = {"name": "g", "kind": "generate", "stale": False, "age_s": 1.0,
+            "engine_stats": {"engine": "sglang", "servers": servers}}  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(workers_table([beat]))
+    text = console.export_text()
+    assert "http://a:30000 up 2 cache 43%, http://b:30000 up 1 " in text
+    assert text.count("cache") == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 
 from regen.cli_status import status
 from regen.common import dlq, keys
+from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
 from tests.generate_harness import Worker, all_generated, results
 from tests.helpers import wait_for
@@ -68,11 +70,26 @@ def slow_standins(kimi_tokenizer_dir: Path) -> Iterator[tuple[StandinHandle, Sta
     yield from two_standins(kimi_tokenizer_dir, decode_tokens_per_s=60)
 
 
-def worker(url: str, tmp_path: Path, *servers: StandinHandle, metrics_port: int) -> Worker:
-    server_args = [arg for server in servers for arg in ("--server", server.url)]
-    return Worker(url, tmp_path, "--engine", "sglang", *server_args,
-                  "--metrics-port", str(metrics_port),
-                  env={"REGEN_HEARTBEAT_STALE_S": "4"})  # a heartbeat every second  # fmt: skip
+@dataclass
+class Setup:
+    url: str
+    r: redis.Redis
+    tmp_path: Path
+    kimi_dir: Path
+
+    def enqueue(self, job: str, turns: int) -> JobSpec:
+        return enqueue(self.url, self.tmp_path, self.kimi_dir, job, rows=rows(turns)).spec
+
+    def worker(self, *servers: StandinHandle, metrics_port: int) -> Worker:
+        server_args = [arg for server in servers for arg in ("--server", server.url)]
+        return Worker(self.url, self.tmp_path, "--engine", "sglang", *server_args,
+                      "--metrics-port", str(metrics_port),
+                      env={"REGEN_HEARTBEAT_STALE_S": "4"})  # a heartbeat a second  # fmt: skip
+
+
+@pytest.fixture
+def setup(redis_url: str, r: redis.Redis, tmp_path: Path, kimi_tokenizer_dir: Path) -> Setup:
+    return Setup(redis_url, r, tmp_path, kimi_tokenizer_dir)
 
 
 def conversations(r: redis.Redis, job: str) -> dict[str, list[GeneratedResult]]:
@@ -98,16 +115,11 @@ def heartbeat_servers(r: redis.Redis, name: str) -> dict[str, dict[str, Any]]:
 
 
 def test_each_conversation_stays_on_one_server_and_its_hit_rate_is_the_servers_count(
-    redis_url: str,
-    r: redis.Redis,
-    tmp_path: Path,
-    kimi_tokenizer_dir: Path,
-    standins: tuple[StandinHandle, StandinHandle],
+    setup: Setup, standins: tuple[StandinHandle, StandinHandle]
 ) -> None:
-    turns = 3
-    spec = enqueue(redis_url, tmp_path, kimi_tokenizer_dir, "a", rows=rows(turns)).spec
-    port = free_port()
-    with worker(redis_url, tmp_path, *standins, metrics_port=port) as generate:
+    r, turns, port = setup.r, 3, free_port()
+    spec = setup.enqueue("a", turns)
+    with setup.worker(*standins, metrics_port=port) as generate:
         wait_for(lambda: all_generated(r, spec), timeout=180, what="every turn generated")
         truth = {s.url: s.stats() for s in standins}
 
@@ -123,7 +135,7 @@ def test_each_conversation_stays_on_one_server_and_its_hit_rate_is_the_servers_c
         wait_for(reported_equals_truth, timeout=30, what="the heartbeat to count every turn")
         beat = heartbeat_servers(r, generate.name)
         samples = scrape(port)
-        shown = CliRunner().invoke(status, ["--redis-url", redis_url])
+        shown = CliRunner().invoke(status, ["--redis-url", setup.url])
         witness = served_by(*standins)
     assert dlq.count(r, "a", "generate") == 0
     by_conversation = conversations(r, "a")
@@ -159,16 +171,12 @@ def test_each_conversation_stays_on_one_server_and_its_hit_rate_is_the_servers_c
 
 
 def test_a_conversation_whose_server_dies_goes_on_on_the_other_with_nothing_lost(
-    redis_url: str,
-    r: redis.Redis,
-    tmp_path: Path,
-    kimi_tokenizer_dir: Path,
-    slow_standins: tuple[StandinHandle, StandinHandle],
+    setup: Setup, slow_standins: tuple[StandinHandle, StandinHandle]
 ) -> None:
-    turns = 4
-    spec = enqueue(redis_url, tmp_path, kimi_tokenizer_dir, "b", rows=rows(turns)).spec
+    r, turns = setup.r, 4
+    spec = setup.enqueue("b", turns)
     survivor, doomed = slow_standins
-    with worker(redis_url, tmp_path, survivor, doomed, metrics_port=free_port()):
+    with setup.worker(survivor, doomed, metrics_port=free_port()):
         # Every first turn is back: each conversation has its server and turns to go.
         wait_for(lambda: len(results(r, "b")) >= CONVERSATIONS, timeout=180,
                  what="the first turns")  # fmt: skip

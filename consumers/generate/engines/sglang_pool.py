@@ -126,6 +126,10 @@ class ServerState:
         }
 
 
+def _least_loaded(servers: list[ServerState]) -> ServerState:
+    return min(servers, key=lambda s: (s.inflight, s.picks))
+
+
 class ServerPool:
     def __init__(
         self,
@@ -204,13 +208,13 @@ class ServerPool:
         """The key's last server among the routable `candidates`, else the least loaded;
         the key then points at the one chosen."""
         if affinity is None:
-            return min(candidates, key=lambda s: (s.inflight, s.picks))
+            return _least_loaded(candidates)
         last = self._affinity.get(affinity)
         if last is not None and last in candidates:
             self.affinity_kept += 1
             self._affinity.move_to_end(affinity)
             return last
-        server = min(candidates, key=lambda s: (s.inflight, s.picks))
+        server = _least_loaded(candidates)
         self.affinity_moved += last is not None
         self._affinity[affinity] = server
         self._affinity.move_to_end(affinity)
