@@ -5,6 +5,7 @@ servers' states, set here directly."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import orjson
@@ -163,16 +164,38 @@ def test_the_prefix_cache_matches_the_longest_cached_prefix_but_never_the_last_t
     assert cache.match([7, 1, 2, 3]) == 0  # a prefix, not any substring
 
 
-def test_the_prefix_cache_holds_its_token_budget_evicting_old_tails_first() -> None:
-    cache = PrefixCache(8)
+def test_the_prefix_cache_agrees_with_a_brute_force_longest_common_prefix() -> None:
+    rng = random.Random(7)
+    cache, held = PrefixCache(10**6), []
+    for _ in range(300):
+        # A small alphabet and shared heads make splits at every depth.
+        head = rng.choice(held)[: rng.randrange(12)] if held and rng.random() < 0.7 else []
+        ids = head + [rng.randrange(4) for _ in range(rng.randrange(1, 10))]
+        want = max((_shared_head(ids[:-1], seq) for seq in held), default=0)
+        assert cache.match(ids) == want, ids
+        cache.insert(ids)
+        held.append(ids)
+    assert len(cache) <= sum(map(len, held))
+
+
+def _shared_head(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_the_prefix_cache_holds_its_token_budget_evicting_the_least_recent_leaf() -> None:
+    cache = PrefixCache(10)
     cache.insert([1, 2, 3, 4, 5, 6])
     cache.insert([1, 2, 7, 8])  # shares [1, 2]: 8 tokens cached in all
     assert len(cache) == 8
-    cache.insert([9, 10])  # 2 over budget: the oldest tail, 6 then 5, goes
-    assert len(cache) == 8
-    assert cache.match([1, 2, 3, 4, 5, 6, 0]) == 4
-    assert cache.match([1, 2, 7, 8, 0]) == 4
-    assert cache.match([9, 10, 0]) == 2
+    assert cache.match([1, 2, 3, 4, 5, 6, 0]) == 6  # used again: [7, 8] is now the oldest
+    cache.insert([9, 10, 11])  # over budget: leaves go, oldest first, down to 90%
+    assert len(cache) == 9
+    assert cache.match([1, 2, 7, 8, 0]) == 2  # its tail went, the shared head stays
+    assert cache.match([1, 2, 3, 4, 5, 6, 0]) == 6
+    assert cache.match([9, 10, 11, 0]) == 3
     assert PrefixCache(0).match([1, 2, 3]) == 0
 
 
