@@ -80,6 +80,10 @@ DEVICE = "auto"
 TP_SIZE = 1
 # Per-request timeout: long, because a 32K-token thinking answer can take many minutes.
 REQUEST_TIMEOUT_S = 3600.0
+# Conversations (`--turns all`) whose last server a generate worker remembers, to send
+# their next turn there: 4x the 4,096 a worker runs at once with the default chunks
+# (MAX_CHUNKS_HELD x CHUNK_SIZE), at ~200 bytes each; the least recently used go first.
+AFFINITY_KEYS = 16_384
 
 # --- the tokenize worker -----------------------------------------------------------
 # A shard is closed and committed at the first of: this many records, this many

@@ -29,7 +29,7 @@ class GeneratedResult:
     finish_reason: dict[str, Any]
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None: the engine did not report it
     latency_s: float
     server: str
     worker: str

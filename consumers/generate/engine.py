@@ -20,6 +20,10 @@ class GenerateRequest:
     prompt_ids: list[int]
     # SGLang sampling_params, already merged from the job spec; always has max_new_tokens.
     sampling: dict[str, Any]
+    # Requests with the same key prefer the server that served the last of them (the
+    # conversation id of a `--turns all` turn), whose radix cache still holds their
+    # prefix; None routes by load alone (docs/design.md, "Turns").
+    affinity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,9 @@ class GenerateResult:
     finish_reason: dict[str, Any]
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0
+    # Prompt tokens the server found in its prefix cache (SGLang's meta_info.cached_tokens);
+    # None when the engine does not report it, which is unknown, not a miss.
+    cached_tokens: int | None = None
     latency_s: float = 0.0
     # Which server (URL) or device produced it; for provenance and load accounting.
     server: str = ""

@@ -47,7 +47,9 @@ class GenerateCollector(Collector):
             "1 while the engine has a healthy server, i.e. the worker consumes chunks.",
             value=int(self._engine_healthy()),
         )
-        yield from _server_metrics(ctx.runner.engine.stats().get("servers", []))
+        stats = ctx.runner.engine.stats()
+        yield from _server_metrics(stats.get("servers", []))
+        yield from _affinity_metrics(stats.get("affinity"))
 
 
 def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -73,6 +75,21 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         "Failed requests by kind (each is retried; only a refusal dead-letters a prompt).",
         labels=["server", "kind"],
     )
+    prompt_tokens = CounterMetricFamily(
+        "regen_sglang_server_prompt_tokens",
+        "Prompt tokens of the completions that reported meta_info.cached_tokens.",
+        labels=labels,
+    )
+    cached_tokens = CounterMetricFamily(
+        "regen_sglang_server_cached_tokens",
+        "Of those prompt tokens, the ones the server took from its prefix cache.",
+        labels=labels,
+    )
+    hit_rate = GaugeMetricFamily(
+        "regen_sglang_server_cache_hit_rate",
+        "cached_tokens / prompt_tokens so far; absent until the server reports cached_tokens.",
+        labels=labels,
+    )
     for server in servers:
         url = server["url"]  # redacted by the engine: no credentials reach the metrics
         healthy.add_metric([url], int(server["healthy"]))
@@ -80,7 +97,26 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         completed.add_metric([url], server["completed"])
         for kind, count in sorted(server["failures_by_kind"].items()):
             failures.add_metric([url, kind], count)
-    yield from (healthy, inflight, completed, failures)
+        prompt_tokens.add_metric([url], server["prompt_tokens"])
+        cached_tokens.add_metric([url], server["cached_tokens"])
+        if server["cache_hit_rate"] is not None:
+            hit_rate.add_metric([url], server["cache_hit_rate"])
+    yield from (healthy, inflight, completed, failures, prompt_tokens, cached_tokens, hit_rate)
+
+
+def _affinity_metrics(affinity: dict[str, int] | None) -> Iterator[Metric]:
+    """How often a conversation's next turn went to the server of its last one."""
+    if affinity is None:
+        return
+    requests = CounterMetricFamily(
+        "regen_sglang_affinity_requests",
+        "Requests with an affinity key (turns of a conversation): `kept` went to the key's "
+        "last server, `moved` found it down, backing off or full and went elsewhere.",
+        labels=["outcome"],
+    )
+    for outcome in ("kept", "moved"):
+        requests.add_metric([outcome], affinity[outcome])
+    yield requests
 
 
 class ChunkOutcomes:

@@ -85,6 +85,9 @@ class _Conversations:
             rid=f"{self.chunk.chunk_id}-{turn.prompt.id}-{self.attempt}",
             prompt_ids=turn.prompt.prompt_ids,
             sampling=dict(self.sampling),
+            # The turns of a conversation follow each other to one server, whose radix
+            # cache holds the conversation so far (docs/design.md, "Turns").
+            affinity=f"{self.chunk.job}/{turn.conversation.id}",
         )
         runner = self.ctx.runner
         self.running[runner.submit(generate_with_retry(runner, request, self.deadline))] = turn

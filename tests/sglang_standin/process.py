@@ -135,6 +135,13 @@ class StandinHandle:
         result: dict[str, Any] = response.json()
         return result
 
+    def served(self) -> list[dict[str, Any]]:
+        """The last requests it completed, oldest first: rid, prompt and cached tokens."""
+        response = self.get("/_served")
+        response.raise_for_status()
+        result: list[dict[str, Any]] = response.json()
+        return result
+
     def get(self, path: str) -> httpx.Response:
         return self._http.get(path)
 

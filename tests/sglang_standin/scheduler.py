@@ -13,16 +13,20 @@ from typing import Any
 
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import StandinConfig, parse_fault
+from tests.sglang_standin.prefix_cache import PrefixCache
 from tests.sglang_standin.slots import Slots
 from tests.sglang_standin.validate import Item, RequestError
 
 # A window for sglang:gen_throughput, which SGLang reports over its last log interval.
 THROUGHPUT_WINDOW_S = 10.0
+# The last requests served, with what their prefix-cache match was (GET /_served).
+SERVED_KEPT = 10_000
 ALWAYS_COUNTED = (
     "requests_total",
     "completed",
     "generation_tokens_total",
     "prompt_tokens_total",
+    "cached_tokens_total",
     "connections_total",
 )
 
@@ -37,6 +41,8 @@ class Scheduler:
         self.counters: Counter[str] = Counter(dict.fromkeys(ALWAYS_COUNTED, 0))
         self.active_rids: set[str] = set()
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
+        self.served: deque[dict[str, Any]] = deque(maxlen=SERVED_KEPT)
 
     def take_fault(self) -> tuple[str, int, float] | None:
         """The next armed fault (kind, count left, delay_s), or None; counted as fault_KIND."""
@@ -84,6 +90,9 @@ class Scheduler:
         waiting queue is full)."""
         await self.slots.acquire()
         try:
+            # Prefill: what the cache already holds, then the prompt is cached too.
+            cached = self.prefix_cache.match(item.input_ids)
+            self.prefix_cache.insert(item.input_ids)
             done = self.completer.complete(item.input_ids, item.sampling)
             seconds = delay_s
             if self.config.decode_tokens_per_s > 0:
@@ -93,6 +102,13 @@ class Scheduler:
         finally:
             self.slots.release()
         n_out = len(done.output_ids)
+        # A finished request leaves its prompt and output in the cache; the last output
+        # token was never fed back, so it has no KV to keep.
+        self.prefix_cache.insert(item.input_ids + done.output_ids[:-1])
+        self.counters["cached_tokens_total"] += cached
+        self.served.append(
+            {"rid": item.rid, "prompt_tokens": len(item.input_ids), "cached_tokens": cached}
+        )
         self.counters["completed"] += 1
         self.counters["generation_tokens_total"] += n_out
         self.counters["prompt_tokens_total"] += len(item.input_ids)
@@ -102,7 +118,7 @@ class Scheduler:
             "finish_reason": done.finish_reason,
             "prompt_tokens": len(item.input_ids),
             "completion_tokens": n_out,
-            "cached_tokens": 0,
+            "cached_tokens": cached,
             "e2e_latency": time.monotonic() - started,
         }
         return {"text": done.text, "output_ids": done.output_ids, "meta_info": meta}

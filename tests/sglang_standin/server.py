@@ -54,6 +54,7 @@ class Standin(Scheduler):
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/_fault", self.set_fault)
         app.router.add_get("/_stats", self.stats)
+        app.router.add_get("/_served", self.served_requests)
         return app
 
     @web.middleware
@@ -186,6 +187,10 @@ class Standin(Scheduler):
             except ValueError as exc:
                 return _json({"error": {"message": str(exc)}}, status=400)
         return _json({"faults": list(self.faults), "unhealthy": self.unhealthy})
+
+    async def served_requests(self, request: web.Request) -> web.Response:
+        """The last requests completed, oldest first: rid, prompt and cached tokens."""
+        return _json(list(self.served))
 
     async def stats(self, request: web.Request) -> web.Response:
         now = time.time()

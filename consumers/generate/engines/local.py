@@ -316,6 +316,7 @@ class LocalEngine:
         _settle(job, GenerateResult(
             output_ids=output, text=text, finish_reason=reason,
             prompt_tokens=len(job.request.prompt_ids), completion_tokens=len(output),
+            cached_tokens=0,  # no prefix cache: every prompt token is computed
             latency_s=time.monotonic() - job.enqueued, server=f"local:{self.device}", meta=meta,
         ))  # fmt: skip
 

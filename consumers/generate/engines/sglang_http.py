@@ -119,7 +119,7 @@ class SGLangHTTPEngine:
         failures = bad = disconnects = 0
         while True:
             try:
-                server = await self._pool.acquire(deadline)
+                server = await self._pool.acquire(deadline, request.affinity)
             except TimeoutError:
                 raise EngineUnavailable(
                     f"no SGLang server usable before the deadline ({self._describe()})"
@@ -149,6 +149,7 @@ class SGLangHTTPEngine:
                 self._pool.release(server, ok=False)
                 raise
             self._pool.release(server, ok=True)
+            server.count_cache(result.prompt_tokens, result.cached_tokens)
             return result
 
     async def health(self) -> bool:
@@ -166,7 +167,11 @@ class SGLangHTTPEngine:
         return sum(s.cap for s in self._pool.healthy())
 
     def stats(self) -> dict[str, Any]:
-        return {"engine": self.name, "servers": [s.snapshot() for s in self._pool.servers]}
+        return {
+            "engine": self.name,
+            "servers": [s.snapshot() for s in self._pool.servers],
+            "affinity": self._pool.affinity_stats(),
+        }
 
     async def close(self) -> None:
         await self._pool.close()

@@ -5,6 +5,13 @@ overload (HTTP 503), and it has a free in-flight slot; among those the least loa
 A request failure marks a server down at once, and its watcher re-probes it right away,
 then with growing delays: routing never waits for a timer to find out a server died,
 and a restarted server is back within one probe.
+
+A request with an affinity key (a conversation's turns) goes to the server that served
+that key last, when that server is routable, because its radix cache still holds the
+prefix; when it is not (down, backing off, full) the request goes to the least loaded
+one instead and the key follows it. Affinity never makes a request wait for a server
+(docs/design.md, "Turns"). The pool remembers a bounded number of keys, the least
+recently used forgotten first, so memory stays flat over a long job.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +28,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from regen.common import defaults
 from regen.common.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -79,9 +87,26 @@ class ServerState:
     # failure cannot flip it back to healthy with stale news.
     epoch: int = 0
     recheck: asyncio.Event = field(default_factory=asyncio.Event)
+    # Prefix-cache accounting over the completions that reported cached_tokens; those
+    # that did not are only counted, so an old server reads "unknown", not "0% hits".
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_unreported: int = 0
 
     def routable(self, now: float) -> bool:
         return self.healthy and self.overload_until <= now and self.inflight < self.cap
+
+    def count_cache(self, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """Account one completion's prompt tokens and how many of them were cached."""
+        if cached_tokens is None:
+            self.cache_unreported += 1
+        else:
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached_tokens
+
+    def cache_hit_rate(self) -> float | None:
+        """Cached prompt tokens / prompt tokens; None until a completion reported it."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -94,7 +119,15 @@ class ServerState:
             "failures_by_kind": dict(self.failures),
             "last_error": self.last_error,
             "overloaded_for_s": max(0.0, self.overload_until - time.monotonic()),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cache_hit_rate": self.cache_hit_rate(),
+            "cache_unreported": self.cache_unreported,
         }
+
+
+def _least_loaded(servers: list[ServerState]) -> ServerState:
+    return min(servers, key=lambda s: (s.inflight, s.picks))
 
 
 class ServerPool:
@@ -106,11 +139,14 @@ class ServerPool:
         *,
         health_interval_s: float,
         overload_backoff: Backoff,
+        affinity_keys: int = defaults.AFFINITY_KEYS,
     ) -> None:
         if not urls:
             raise ValueError("SGLang engine needs at least one server URL")
         if cap < 1:
             raise ValueError("max_inflight_per_server must be >= 1")
+        if affinity_keys < 1:
+            raise ValueError("affinity_keys must be >= 1")
         self.servers: list[ServerState] = []
         for raw in urls:
             url, label, auth = split_credentials(raw)
@@ -124,6 +160,12 @@ class ServerPool:
         # Replaced on every change: a waiter grabs the current event before checking,
         # so a change between its check and its wait is never missed.
         self._changed = asyncio.Event()
+        # Affinity key -> the server that served it last, least recently used first.
+        self._affinity: OrderedDict[str, ServerState] = OrderedDict()
+        self._affinity_keys = affinity_keys
+        # Requests with a key that went to its last server, and that had to go elsewhere.
+        self.affinity_kept = 0
+        self.affinity_moved = 0
 
     def start(self) -> None:
         if not self._watchers:
@@ -140,14 +182,17 @@ class ServerPool:
         return [s for s in self.servers if s.healthy]
 
     # --- routing -----------------------------------------------------------------------
-    async def acquire(self, deadline: float | None) -> ServerState:
-        """A routable server with its slot taken; TimeoutError once `deadline` passes."""
+    async def acquire(self, deadline: float | None, affinity: str | None = None) -> ServerState:
+        """A routable server with its slot taken; TimeoutError once `deadline` passes.
+
+        With an `affinity` key: the server that served the key last, if it is routable.
+        """
         while True:
             changed = self._changed
             now = time.monotonic()
             candidates = [s for s in self.servers if s.routable(now)]
             if candidates:
-                server = min(candidates, key=lambda s: (s.inflight, s.picks))
+                server = self._choose(candidates, affinity)
                 server.inflight += 1
                 server.picks += 1
                 return server
@@ -158,6 +203,31 @@ class ServerPool:
                 wake.append(deadline)
             timeout = max(0.0, min(wake) - now) if wake else None
             await wait_event(changed, timeout)
+
+    def _choose(self, candidates: list[ServerState], affinity: str | None) -> ServerState:
+        """The key's last server among the routable `candidates`, else the least loaded;
+        the key then points at the one chosen."""
+        if affinity is None:
+            return _least_loaded(candidates)
+        last = self._affinity.get(affinity)
+        if last is not None and last in candidates:
+            self.affinity_kept += 1
+            self._affinity.move_to_end(affinity)
+            return last
+        server = _least_loaded(candidates)
+        self.affinity_moved += last is not None
+        self._affinity[affinity] = server
+        self._affinity.move_to_end(affinity)
+        if len(self._affinity) > self._affinity_keys:
+            self._affinity.popitem(last=False)
+        return server
+
+    def affinity_stats(self) -> dict[str, int]:
+        return {
+            "kept": self.affinity_kept,
+            "moved": self.affinity_moved,
+            "keys": len(self._affinity),
+        }
 
     def release(self, server: ServerState, *, ok: bool) -> None:
         server.inflight -= 1

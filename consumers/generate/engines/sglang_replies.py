@@ -144,7 +144,7 @@ def result_from_reply(
             finish_reason=finish,
             prompt_tokens=int(meta.get("prompt_tokens", len(request.prompt_ids))),
             completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-            cached_tokens=int(meta.get("cached_tokens") or 0),
+            cached_tokens=cached_tokens(meta),
             latency_s=float(meta.get("e2e_latency") or time.monotonic() - started),
             server=server,
             meta=meta,
@@ -156,6 +156,14 @@ def result_from_reply(
         message = f"request aborted: {finish.get('message')}"
         raise Failure("bad_response", message, down=True, bad=True)
     return result
+
+
+def cached_tokens(meta: dict[str, Any]) -> int | None:
+    """The prompt tokens SGLang took from its prefix cache rather than computing them
+    (`meta_info.cached_tokens`, the radix-tree match at prefill, counted once even if
+    the request is retracted); None when a server leaves it out: unknown, not a miss."""
+    value = meta.get("cached_tokens")
+    return None if value is None else int(value)
 
 
 def error_message(status: int, body: bytes) -> str:
