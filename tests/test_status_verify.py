@@ -26,7 +26,7 @@ import zstandard
 from click.testing import CliRunner, Result
 
 from regen.cli_status import status, verify
-from regen.common import dlq, keys
+from regen.common import dlq, jobspec, keys
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.consumers.tokenize.commit import CommitLedger, Sample
@@ -44,6 +44,7 @@ from tests.helpers import (
 )
 from tests.redis_server import RedisServer
 from tests.sglang_standin.process import run_standin
+from tests.test_record import make_spec
 
 JOB = "s"
 NORMAL = [f"Tell me fact number {i} about the moon." for i in range(16)]  # ~40 tokens each
@@ -264,6 +265,7 @@ def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> N
     """Recovery can finalize a shard its owner already finalized."""
     r = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
     r.flushdb()
+    jobspec.save(r, make_spec(name=JOB))
     ledger = CommitLedger(r, JOB)
     ids = ["a" * 16, "b" * 16]
     _, claim = ledger.claim("shard-000001.jsonl.zst", "c1", ids)
@@ -273,6 +275,7 @@ def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> N
     assert ledger.finalize(claim.shard, row, [], ids)
     assert ledger.count() == (2, 0)
     assert r.hgetall(keys.job_counters(JOB)) == {
+        keys.COMMITTED_INDEX.encode(): b"2",
         keys.COMMITTED_PROMPTS.encode(): b"2",
         keys.COMMITTED_OUTPUT_TOKENS.encode(): b"30",
         keys.COMMITTED_SHARD_BYTES.encode(): b"999",
