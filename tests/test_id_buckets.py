@@ -9,7 +9,9 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
+from click.testing import CliRunner
 
+from regen.cli_status import status, verify
 from regen.common import id_buckets, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk import Chunk, ChunkPrompt
@@ -123,13 +125,19 @@ def test_the_ledger_counts_claims_releases_and_restores(r: redis.Redis) -> None:
     assert ledger.count() == (101, 0) and ledger.owner_of(PLAIN[5:6]) == [two]
 
 
-def test_a_job_written_by_an_older_layout_is_refused_clearly(r: redis.Redis) -> None:
+def test_a_job_written_by_an_older_layout_is_refused_clearly(
+    r: redis.Redis, redis_url: str
+) -> None:
     stored = orjson.loads(save_spec(r, 2).to_json())
+    del stored["id_buckets"]
     r.set(keys.job_spec(JOB), orjson.dumps({**stored, "version": 1}))
     for read in (lambda: jobspec.load(r, JOB), lambda: CommitLedger(r, JOB),
                  lambda: JobIds(r, JOB)):  # fmt: skip
         with pytest.raises(JobSpecError, match="enqueued by an older regen"):
             read()
+    for command, job in ((status, ["--job", JOB]), (status, []), (verify, ["--job", JOB])):
+        result = CliRunner().invoke(command, [*job, "--redis-url", redis_url])
+        assert result.exit_code == 1 and "enqueued by an older regen" in result.output
 
 
 def _place_shard(ledger: CommitLedger, folder: Path, name: str, ids: list[str]) -> None:

@@ -113,14 +113,17 @@ def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis
     book = LeaseBook(r)
     done, _ = book.start("j", "c1", TAG, "w1")
     returned, _ = book.start("j", "c2", "other", "w1")
+    for lease in (done, returned):  # a prompt of each handed off
+        lease.write(r, lambda pipe, key=lease.generated_key: pipe.sadd(key, "p1"))
     done.finish(r, "w1")
     returned.give_back(r, "w1", "returned")
     assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None
     assert not r.hexists(keys.KOMBU_UNACKED, TAG)
     # Score 0: the next sweep, whoever runs it, puts the chunk back on its queue.
     assert r.zscore(keys.KOMBU_UNACKED_INDEX, "other") == 0
-    # The acked chunk's state goes with its ack; the returned one's waits for its next
-    # delivery.
-    assert not r.exists(done.attempts_key, done.generated_key)
-    assert b'"returned"' in r.lindex(returned.attempts_key, 0)
+    statuses = [r.lindex(lease.attempts_key, 0) for lease in (done, returned)]
+    assert b'"done"' in statuses[0] and b'"returned"' in statuses[1]
+    # The acked chunk's `generated` set goes with its ack; the returned one's waits for
+    # its next delivery.
+    assert not r.exists(done.generated_key) and r.exists(returned.generated_key)
     assert book.take_settled(TAG) and book.take_settled("other")
