@@ -20,7 +20,8 @@ OUT_DIR = "regen-out"
 # time in minutes on a busy server while a 900K-prompt job stays at ~14K chunks.
 CHUNK_SIZE = 64
 # Ids a new job's Redis indexes are sized for (`--expected-prompts`; common/id_buckets.py):
-# they stay compact up to ~2-4x this, and cost ~7 KB of Redis per 1K below it.
+# they stay compact up to ~2-4x this; a far smaller job has up to one bucket (~100 bytes
+# of key overhead) per id in each index.
 EXPECTED_PROMPTS = 1_000_000
 # SGLang's own default is 128 tokens, which silently truncates answers: regen always
 # sends an explicit value.

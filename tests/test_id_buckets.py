@@ -4,6 +4,7 @@ verify's findings are exactly what they were with one set and one hash."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import orjson
@@ -23,6 +24,7 @@ from regen.ops.reconcile import reconcile
 from regen.ops.recover import recover
 from regen.producer.job_ids import JobIds
 from regen.producer.publish import ChunkPublisher
+from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import drop_job_id
 from tests.test_record import make_spec
 
@@ -214,3 +216,13 @@ def test_recover_restores_a_lost_index_and_its_count(r: redis.Redis, tmp_path: P
     assert report.ok and report.ids_restored == 51
     assert ledger.count() == (51, 0)
     assert reconcile(r, spec, folder).ok
+
+
+def test_expected_prompts_sizes_a_new_job_and_an_existing_one_keeps_its_own(
+    r: redis.Redis,
+) -> None:
+    spec = prepare_job(JobOptions(job=JOB, model="smollm2", expected_prompts=100_000)).spec
+    assert spec.id_buckets == 2048
+    assert jobspec.save(r, spec).id_buckets == 2048
+    bigger = dataclasses.replace(spec, id_buckets=id_buckets.bucket_count(10**8))
+    assert jobspec.save(r, bigger).id_buckets == 2048  # the stored spec wins, no mismatch
