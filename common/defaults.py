@@ -19,6 +19,10 @@ OUT_DIR = "regen-out"
 # Prompts per chunk, the unit of work on the generate queue. 64 keeps a chunk's run
 # time in minutes on a busy server while a 900K-prompt job stays at ~14K chunks.
 CHUNK_SIZE = 64
+# Ids a new job's Redis indexes are sized for (`--expected-prompts`; common/id_buckets.py):
+# they stay compact up to ~2-4x this; a far smaller job has up to one bucket (~100 bytes
+# of key overhead) per id in each index.
+EXPECTED_PROMPTS = 1_000_000
 # SGLang's own default is 128 tokens, which silently truncates answers: regen always
 # sends an explicit value.
 MAX_NEW_TOKENS = 4096

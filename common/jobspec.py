@@ -14,10 +14,12 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import keys
+from regen.common import defaults, id_buckets, keys
 from regen.common.connection import bytes_set
 
-SPEC_VERSION = 1
+# 2: the job's ids and committed index are bucketed hashes (common/id_buckets.py). A
+# version 1 job kept them in one set and one hash, which this regen does not read.
+SPEC_VERSION = 2
 
 # Which assistant turns a job regenerates (`regen enqueue --turns`): the last one, on the
 # dataset's history (a spec stored before the option existed means this), or every one
@@ -87,6 +89,11 @@ class JobSpec:
     version: int = SPEC_VERSION
     # Not compared: a job keeps the rule it was made with (see PROMPT_TEXT_RULES).
     prompt_text: str = field(default=PROMPT_TEXT_STRIPPED, compare=False)
+    # Hashes each of the job's id indexes is spread over (common/id_buckets.py), sized
+    # from its first enqueue's --expected-prompts. Not compared: a job keeps its own.
+    id_buckets: int = field(
+        default=id_buckets.bucket_count(defaults.EXPECTED_PROMPTS), compare=False
+    )
     created: float = field(default_factory=time.time, compare=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +111,8 @@ class JobSpec:
             raise JobSpecError(f"turns must be one of {', '.join(TURN_MODES)}, not {self.turns!r}")
         if self.prompt_text not in PROMPT_TEXT_RULES:
             raise JobSpecError(f"unknown prompt_text rule {self.prompt_text!r}: newer regen?")
+        if self.id_buckets < 1:
+            raise JobSpecError("id_buckets must be at least 1")
         if self.chunk_size < 1:
             raise JobSpecError("chunk_size must be at least 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -129,6 +138,13 @@ class JobSpec:
     @classmethod
     def from_json(cls, raw: bytes | str) -> JobSpec:
         data = orjson.loads(raw)
+        if data.get("version", 1) < SPEC_VERSION:
+            raise JobSpecError(
+                f"job {data.get('name')!r} was enqueued by an older regen (job spec version "
+                f"{data.get('version', 1)}), which kept its ids in Redis in a layout this regen "
+                "does not read; finish it with that regen, or enqueue its data again under a "
+                "new --job name"
+            )
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
         if unknown:

@@ -29,6 +29,11 @@ KOMBU_UNACKED = "unacked"
 # generate worker moves the scores of the chunks it holds to now: its leases.
 KOMBU_UNACKED_INDEX = "unacked_index"
 
+# Fields of `job_counters` kept by the scripts that write the bucketed indexes: ids in
+# the job (publish script, input dead letters) and ids in the committed index, claimed
+# or committed (the commit ledger's scripts).
+IDS = "ids"
+COMMITTED_INDEX = "committed_index"
 # Fields of `job_counters` that the tokenize stage adds to as each shard is finalized.
 COMMITTED_PROMPTS = "committed_prompts"
 COMMITTED_OUTPUT_TOKENS = "committed_output_tokens"
@@ -55,9 +60,10 @@ def job_spec(job: str) -> str:
     return _job(job, "spec")
 
 
-def job_ids(job: str) -> str:
-    """Set: every prompt id ever enqueued in the job (ids only, ~60 bytes each)."""
-    return _job(job, "ids")
+def job_ids(job: str, bucket: int) -> str:
+    """Hash: one bucket of every prompt id ever enqueued in the job, stored id -> 1
+    (common/id_buckets.py; the job spec's `id_buckets` says how many)."""
+    return _job(job, f"ids:{bucket}")
 
 
 def job_cursors(job: str) -> str:
@@ -67,7 +73,8 @@ def job_cursors(job: str) -> str:
 
 def job_counters(job: str) -> str:
     """Hash: job counters: enqueued and requeued (producer, requeue), dlq_purged (purge),
-    committed_prompts, committed_output_tokens and committed_shard_bytes (shard finalize)."""
+    ids (ids in the job), committed_index (ids claimed or committed), committed_prompts,
+    committed_output_tokens and committed_shard_bytes (shard finalize)."""
     return _job(job, "counters")
 
 
@@ -103,10 +110,11 @@ def results_stream(job: str) -> str:
     return _job(job, "results")
 
 
-def committed(job: str) -> str:
-    """Hash: prompt id -> shard that holds its record, or that claims it while the shard
-    is pending (the exactly-once index)."""
-    return _job(job, "committed")
+def committed(job: str, bucket: int) -> str:
+    """Hash: one bucket of the exactly-once index, stored id -> shard that holds its
+    record, or that claims it while the shard is pending (common/id_buckets.py; the
+    shard as its number when it has a regular name, consumers/tokenize/commit.py)."""
+    return _job(job, f"committed:{bucket}")
 
 
 def pending_shards(job: str) -> str:

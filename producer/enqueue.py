@@ -29,6 +29,7 @@ from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.queues import waiting_chunks
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.conversations import job_prompt
+from regen.producer.job_ids import JobIds
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, Reason
@@ -86,8 +87,9 @@ class Enqueuer:
         self._r = r
         self._job = job
         self._spec = job.spec
-        self._publisher = ChunkPublisher(app, r, self._spec.name, self._spec.queue)
+        self._publisher = ChunkPublisher(app, r, self._spec)
         self._ledger = CommitLedger(r, self._spec.name)
+        self._ids = JobIds(r, self._spec.name)
         self._high_water = high_water
         self._on_progress = on_progress
         self._token_limit = self._spec.prompt_token_limit()
@@ -212,7 +214,7 @@ class Enqueuer:
         if not buffer:
             return []
         ids = [item.id for item in buffer]
-        known = self._r.smismember(keys.job_ids(self._spec.name), ids)
+        known = self._ids.contains(ids)
         settled = self._settled([pid for pid, is_in in zip(ids, known, strict=True) if not is_in])
         seen: set[str] = set()
         fresh = []
@@ -236,8 +238,7 @@ class Enqueuer:
             pid for pid, shard, is_dead in zip(ids, committed, dead, strict=True)
             if shard is not None or is_dead
         ]  # fmt: skip
-        if settled:
-            self._r.sadd(keys.job_ids(self._spec.name), *settled)
+        self._ids.add(settled)
         return set(settled)
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
@@ -310,7 +311,7 @@ class Enqueuer:
         if item.conversation is not None:
             letters += blocked_letters(letter, item.conversation, 0)
         pipe = self._r.pipeline()
-        pipe.sadd(keys.job_ids(self._spec.name), *(each.entry_id for each in letters))
+        self._ids.add([each.entry_id for each in letters], pipe)
         for each in letters:
             dlq.put(pipe, each)
         pipe.execute()

@@ -20,34 +20,42 @@ from celery import Celery
 
 from regen.common import keys
 from regen.common.celery_app import GENERATE_TASK
+from regen.common.jobspec import JobSpec
+from regen.producer.job_ids import ADD_IDS_LUA, JobIds
 
-# KEYS: ids set, chunks hash, cursors hash, counters hash, then one key per LPUSH.
-# ARGV: chunk id, number of ids, number of cursor pairs, ids..., cursor pairs..., messages...
-# Returns {} when published, {"chunk"} when the chunk was already published, or the ids
-# that another producer enqueued meanwhile (the caller rebuilds the chunk without them).
-_PUBLISH_LUA = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {'chunk'} end
+# KEYS: chunks hash, cursors hash, counters hash, then the bucket of each id
+# (keys.job_ids), then one key per LPUSH.
+# ARGV: chunk id, number of ids, number of cursor pairs, ids' fields..., cursor pairs...,
+# messages...
+# Returns {} when published, {'chunk'} when the chunk was already published, or the
+# 1-based positions of the ids that another producer enqueued meanwhile (the caller
+# rebuilds the chunk without them).
+_PUBLISH_LUA = (
+    ADD_IDS_LUA
+    + """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'chunk'} end
 local n_ids = tonumber(ARGV[2])
 local n_cur = tonumber(ARGV[3])
 local present = {}
-for i = 4, 3 + n_ids do
-  if redis.call('SISMEMBER', KEYS[1], ARGV[i]) == 1 then table.insert(present, ARGV[i]) end
+for i = 1, n_ids do
+  if redis.call('HEXISTS', KEYS[3 + i], ARGV[3 + i]) == 1 then table.insert(present, i) end
 end
 if #present > 0 then return present end
-for i = 4, 3 + n_ids do redis.call('SADD', KEYS[1], ARGV[i]) end
+add_ids(KEYS[3], 4, n_ids, 4)
 local c = 4 + n_ids
 for i = 1, n_cur do
-  redis.call('HSET', KEYS[3], ARGV[c], ARGV[c + 1])
+  redis.call('HSET', KEYS[2], ARGV[c], ARGV[c + 1])
   c = c + 2
 end
-for k = 5, #KEYS do
+for k = 4 + n_ids, #KEYS do
   redis.call('LPUSH', KEYS[k], ARGV[c])
   c = c + 1
 end
-redis.call('HSET', KEYS[2], ARGV[1], n_ids)
-redis.call('HINCRBY', KEYS[4], 'enqueued', n_ids)
+redis.call('HSET', KEYS[1], ARGV[1], n_ids)
+redis.call('HINCRBY', KEYS[3], 'enqueued', n_ids)
 return {}
 """
+)
 
 
 # KEYS: dlq hash, chunks hash, counters hash, then one key per LPUSH.
@@ -108,11 +116,12 @@ class PublishOutcome:
 class ChunkPublisher:
     """Publishes chunks of one job onto its generate queue."""
 
-    def __init__(self, app: Celery, r: redis.Redis, job: str, queue: str) -> None:
+    def __init__(self, app: Celery, r: redis.Redis, spec: JobSpec) -> None:
         self._app = app
         self._r = r
-        self._job = job
-        self._queue = queue
+        self._job = spec.name
+        self._queue = spec.queue
+        self._ids = JobIds(r, spec.name).index
         self._script = r.register_script(_PUBLISH_LUA)
         self._requeue_script = r.register_script(_REQUEUE_LUA)
         self._connection = app.connection_for_write()
@@ -154,26 +163,22 @@ class ChunkPublisher:
     ) -> PublishOutcome:
         pushes, after = self._render(chunk_id, payload)
         job = self._job
-        lua_keys = [
-            keys.job_ids(job),
-            keys.job_chunks(job),
-            keys.job_cursors(job),
-            keys.job_counters(job),
-            *(key for key, _ in pushes),
-        ]
+        buckets, fields = self._ids.keys_and_fields(prompt_ids)
+        lua_keys = [keys.job_chunks(job), keys.job_cursors(job), keys.job_counters(job)]
+        lua_keys += [*buckets, *(key for key, _ in pushes)]
         cursor_args: list[Any] = []
         for name, value in cursors.items():
             cursor_args += [name, value]
-        argv = [chunk_id, len(prompt_ids), len(cursors), *prompt_ids, *cursor_args]
+        argv = [chunk_id, len(prompt_ids), len(cursors), *fields, *cursor_args]
         argv += [message for _, message in pushes]
-        result = [x.decode() for x in self._script(keys=lua_keys, args=argv)]
+        result = self._script(keys=lua_keys, args=argv)
         if not result:
             for name, args in after:
                 self._r.execute_command(name, *args)
             return PublishOutcome(True, [])
-        if result == ["chunk"]:
+        if result == [b"chunk"]:
             return PublishOutcome(False, [])
-        return PublishOutcome(False, result)
+        return PublishOutcome(False, [prompt_ids[int(i) - 1] for i in result])
 
     def requeue(
         self, chunk_id: str, payload: dict[str, Any], prompt_ids: list[str], dlq_key: str

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from regen.common import chat_family, defaults, keys, tokenizer
+from regen.common import chat_family, defaults, id_buckets, keys, tokenizer
 from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, TURNS_LAST, JobSpec
 
 
@@ -33,6 +33,8 @@ class JobOptions:
     # Prompts with more bytes of text are refused before they are tokenized (None: the
     # most that could fit the job's token limit, see PreparedJob.too_large).
     max_row_bytes: int | None = None
+    # Sizes a new job's id indexes in Redis (JobSpec.id_buckets).
+    expected_prompts: int = defaults.EXPECTED_PROMPTS
 
 
 def text_bytes(value: Any) -> int:
@@ -118,5 +120,6 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         queue=options.queue or keys.generate_queue(options.job),
         turns=options.turns,
         prompt_text=PROMPT_TEXT_AS_WRITTEN,
+        id_buckets=id_buckets.bucket_count(options.expected_prompts),
     )
     return PreparedJob(spec=spec, tokenizer=tok, family=family, max_row_bytes=options.max_row_bytes)

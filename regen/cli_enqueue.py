@@ -30,6 +30,14 @@ ENQUEUE_ONLY = (
     click.option("--top-k", type=int),
     click.option("--min-p", type=click.FloatRange(0, 1)),
     click.option("--queue", help="Generate queue (default regen.generate.JOB)."),
+    int_option(
+        "--expected-prompts",
+        default=defaults.EXPECTED_PROMPTS,
+        help=(
+            "Prompts (turns, with --turns all) a new job will hold: sizes its Redis "
+            "indexes, which stay compact up to ~2-4x this. Ignored for an existing job."
+        ),
+    ),
 )
 
 

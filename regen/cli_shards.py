@@ -114,7 +114,12 @@ def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
         def report(kind: str, subject: str, detail: str, job: str = folder.name) -> None:
             problems.append(Problem(job, subject, kind, detail))
 
-        compare_folder(CommitLedger(r, folder.name), folder.name, folder, report)
+        try:
+            ledger = CommitLedger(r, folder.name)
+        except jobspec.JobSpecError as exc:
+            click.echo(f"{folder.name}: {exc}; files checked alone")
+            continue
+        compare_folder(ledger, folder.name, folder, report)
     return problems
 
 

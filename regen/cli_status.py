@@ -22,13 +22,19 @@ PIPE_WIDTH = 140
 
 
 def _client(redis_url: str | None, job: str | None) -> redis.Redis:
-    """A client, after checking that `job` (when given) exists."""
+    """A client, after checking that `job` (default: every job) exists and that this
+    regen reads its spec (an older regen's job layout is refused here, with the reason)."""
     r = connection.client(connection.resolve_url(redis_url))
     jobs = jobspec.list_jobs(r)
     if job is not None and job not in jobs:
         raise click.ClickException(
             f"no job named {job!r} in this Redis (jobs: {', '.join(jobs) or 'none'})"
         )
+    for name in [job] if job is not None else jobs:
+        try:
+            jobspec.load(r, name)
+        except jobspec.JobSpecError as exc:
+            raise click.ClickException(str(exc)) from exc
     return r
 
 

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from regen.common import dlq, jobspec, keys
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
+from regen.producer.job_ids import JobIds
 
 # Tokens of the prompt's tail and of the answer shown around the loss-mask boundary.
 CONTEXT_TOKENS = 12
@@ -26,7 +27,7 @@ def show_summary(
     prompt = sum(info.prompt_tokens for info in manifest.values())
     records = sum(info.rows for info in manifest.values())
     table = Table(title="summary", show_header=False)
-    table.add_row("prompts in the job", str(r.scard(keys.job_ids(spec.name))))
+    table.add_row("prompts in the job", str(JobIds(r, spec.name).count()))
     table.add_row("records in shards", str(records))
     table.add_row("prompt / output tokens", f"{prompt} / {completion}")
     table.add_row(

@@ -21,7 +21,7 @@ from regen.common.queues import queued_chunks
 from regen.common.results import GeneratedResult
 from regen.producer.enqueue import Enqueuer
 from regen.producer.spec import JobOptions, prepare_job
-from tests.helpers import write_jsonl
+from tests.helpers import job_ids, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 # The chunk lease, shortened from 100 s so that a killed worker's chunk comes back within
@@ -127,7 +127,7 @@ def chunks_held_by(r: redis.Redis, job: str, worker: str) -> set[str]:
 
 
 def enqueued_ids(r: redis.Redis, job: str) -> set[str]:
-    return {m.decode() for m in r.smembers(keys.job_ids(job))}
+    return job_ids(r, job)
 
 
 def all_generated(r: redis.Redis, spec: jobspec.JobSpec) -> bool:

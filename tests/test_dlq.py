@@ -26,6 +26,7 @@ from regen.common import crashpoints, dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.reasons import Reason as GenerateReason
+from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.record import Reason as TokenizeReason
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.requeue import CRASHPOINT
@@ -328,7 +329,7 @@ def test_a_truncated_result_requeued_to_a_keeping_tokenizer_ends_in_a_shard(
     assert "1 result(s) back to the tokenize stage" in cli(redis_url, "requeue", cut.id).stdout
     assert dlq.count(r, JOB, "tokenize") == 0 and r.xlen(keys.results_stream(JOB)) == 1
     with InProcess(r, options(out, on_truncated="keep"), "c2"):
-        wait_for(lambda: settled(r, JOB, 2) and r.hexists(keys.committed(JOB), cut.id),
+        wait_for(lambda: settled(r, JOB, 2) and CommitLedger(r, JOB).owner_of([cut.id]) != [None],
                  what="the requeued result committed")  # fmt: skip
     records = {rec["id"]: rec for shard in shard_paths(out / JOB) for rec in iter_records(shard)}
     assert set(records) == {good.id, cut.id}

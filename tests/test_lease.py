@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from regen.common import keys
-from regen.consumers.generate.lease import LeaseBook, LeaseLost
+from regen.consumers.generate.lease import ChunkLease, LeaseBook, LeaseLost
 
 TAG = "delivery-tag-1"
 
@@ -87,12 +87,34 @@ def test_a_prompt_already_settled_is_not_written_twice(r: redis.Redis) -> None:
     assert written(r) == [b"p1"]
 
 
+def test_an_ack_racing_the_sweep_keeps_the_chunk_state_for_the_redelivery(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    lease.write(r, lambda pipe: pipe.sadd(lease.generated_key, "p1"))
+    # kombu's sweep restores the delivery between the lease check and the ack's EXEC.
+    check = ChunkLease._check
+
+    def check_then_restore(self: ChunkLease, pipe: redis.client.Pipeline) -> None:
+        check(self, pipe)
+        r.zrem(keys.KOMBU_UNACKED_INDEX, TAG)
+
+    monkeypatch.setattr(ChunkLease, "_check", check_then_restore)
+    lease.finish(r, "w1")
+    # The chunk is queued again: its next delivery must find p1 settled.
+    assert r.smembers(lease.generated_key) == {b"p1"}
+    assert b'"done"' in r.lindex(lease.attempts_key, 0)
+
+
 def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis) -> None:
     deliver(r)
     deliver(r, "other")
     book = LeaseBook(r)
     done, _ = book.start("j", "c1", TAG, "w1")
     returned, _ = book.start("j", "c2", "other", "w1")
+    for lease in (done, returned):  # a prompt of each handed off
+        lease.write(r, lambda pipe, key=lease.generated_key: pipe.sadd(key, "p1"))
     done.finish(r, "w1")
     returned.give_back(r, "w1", "returned")
     assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None
@@ -101,4 +123,7 @@ def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis
     assert r.zscore(keys.KOMBU_UNACKED_INDEX, "other") == 0
     statuses = [r.lindex(lease.attempts_key, 0) for lease in (done, returned)]
     assert b'"done"' in statuses[0] and b'"returned"' in statuses[1]
+    # The acked chunk's `generated` set goes with its ack; the returned one's waits for
+    # its next delivery.
+    assert not r.exists(done.generated_key) and r.exists(returned.generated_key)
     assert book.take_settled(TAG) and book.take_settled("other")

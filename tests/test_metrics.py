@@ -22,7 +22,7 @@ from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.metrics import tokenize_metrics
 from regen.producer.spec import JobOptions, prepare_job
 from tests.generate_harness import REPO, Worker, all_acked, enqueue_prompts, results
-from tests.helpers import make_result, wait_for
+from tests.helpers import committed_count, make_result, wait_for
 from tests.sglang_standin.process import free_port, run_standin
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -124,7 +124,7 @@ def test_tokenize_metrics_count_records_duplicates_shards_and_dead_letters(
         return r.xlen(keys.results_stream("t")) == 0
 
     try:
-        wait_for(lambda: r.hlen(keys.committed("t")) == 30 and stream_empty(),
+        wait_for(lambda: committed_count(r, "t") == 30 and stream_empty(),
                  what="every result committed or dead-lettered")  # fmt: skip
         for result in good[:3]:  # delivered again after their shard is in place
             r.xadd(keys.results_stream("t"), result.to_fields())

@@ -37,7 +37,7 @@ from tests.generate_harness import (
     enqueued_ids,
     results,
 )
-from tests.helpers import wait_for
+from tests.helpers import committed_count, wait_for
 from tests.redis_server import running_redis
 from tests.sglang_standin.process import StandinHandle, run_standin
 
@@ -158,7 +158,7 @@ def test_redis_killed_and_restarted_stops_no_worker(tmp_path: Path) -> None:
             exits = [w.process.poll() for w in workers]
             tails = "\n".join(w.log()[-3000:] for w in workers)
             assert exits == [None, None], f"a worker exited: {exits}\n{tails}"
-            return int(r.hlen(keys.committed("g")))
+            return committed_count(r, "g")
 
         try:
             for kill in range(3):

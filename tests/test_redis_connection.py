@@ -16,7 +16,7 @@ from regen.common import jobspec
 from regen.common.connection import redact
 from regen.common.embedded_redis import EmbeddedRedis, find_redis_server
 from tests.generate_harness import REPO, Worker, all_generated
-from tests.helpers import user_rows, wait_for, write_jsonl
+from tests.helpers import job_ids, user_rows, wait_for, write_jsonl
 from tests.redis_server import free_port, running_redis
 from tests.sglang_standin.process import run_standin
 
@@ -61,7 +61,7 @@ def test_embedded_redis_starts_once_persists_and_stops(
         server.ensure_running(quiet=True)
         r = redis.Redis.from_url(server.url)
         assert jobspec.load(r, "e").sampling["max_new_tokens"] == 16
-        assert r.scard("regen:job:e:ids") == 3
+        assert len(job_ids(r, "e")) == 3
     finally:
         EmbeddedRedis.from_env().stop()
 
@@ -88,7 +88,7 @@ def test_a_password_url_works_and_never_shows(tmp_path: Path) -> None:
         assert ":***@" in result.stderr
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=server.port, password="wrong").ping()
-        assert redis.Redis.from_url(url).scard("regen:job:p:ids") == 5
+        assert len(job_ids(redis.Redis.from_url(url), "p")) == 5
 
 
 def test_a_refused_login_is_one_clear_line_in_every_command(tmp_path: Path) -> None:

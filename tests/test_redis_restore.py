@@ -31,7 +31,14 @@ from regen.consumers.tokenize.shard_files import (
     shard_paths,
 )
 from tests.generate_harness import REPO, Worker
-from tests.helpers import make_result, queued_chunks, wait_for, write_jsonl
+from tests.helpers import (
+    committed_count,
+    job_ids,
+    make_result,
+    queued_chunks,
+    wait_for,
+    write_jsonl,
+)
 from tests.redis_server import RedisServer, free_port
 from tests.sglang_standin.process import run_standin
 from tests.test_tokenize_stage import InProcess, options, push
@@ -92,11 +99,11 @@ class TokenizeWorker:
 
 def job_settled(r: redis.Redis) -> bool:
     """Every enqueued id committed or dead-lettered, nothing in between."""
-    total = r.scard(keys.job_ids(JOB))
+    total = len(job_ids(r, JOB))
     dead = sum(dlq.count(r, JOB, stage) for stage in keys.STAGES)
     return bool(
         total
-        and r.hlen(keys.committed(JOB)) + dead >= total
+        and committed_count(r, JOB) + dead >= total
         and not r.hlen(keys.pending_shards(JOB))
         and not r.xlen(keys.results_stream(JOB))
         and not r.hlen(keys.KOMBU_UNACKED)
@@ -178,7 +185,7 @@ def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_recovers(
         assert verified.exit_code == 0, verified.output
         counts = shard_id_counts(folder)
         assert max(counts.values()) == 1, "an id twice in the shards"
-        assert set(counts) == {m.decode() for m in r.smembers(keys.job_ids(JOB))}
+        assert set(counts) == job_ids(r, JOB)
         assert len(counts) == len(PROMPTS)
         after = checksums(folder)
         assert {name: after.get(name) for name in before} == before
@@ -246,9 +253,9 @@ def test_recover_then_the_jobs_enqueue_queue_exactly_what_redis_lost(
         wait_for(lambda: r.hlen(keys.shards(JOB)) == 1, what="a first shard")
         copy = dump_all(r)  # the backup: rows 0-19 enqueued, 0-4 in a shard
         assert regen(redis_url, *command).exit_code == 0
-        assert {res.id for res in results} == {m.decode() for m in r.smembers(keys.job_ids(JOB))}
+        assert {res.id for res in results} == job_ids(r, JOB)
         push(r, results[5:30])  # rows 5-29 written too; 30-39 still queued
-        wait_for(lambda: r.hlen(keys.committed(JOB)) == 30 and not r.xlen(keys.results_stream(JOB))
+        wait_for(lambda: committed_count(r, JOB) == 30 and not r.xlen(keys.results_stream(JOB))
                  and not r.hlen(keys.pending_shards(JOB)), what="30 records committed")  # fmt: skip
         before = checksums(folder)
 
@@ -265,7 +272,7 @@ def test_recover_then_the_jobs_enqueue_queue_exactly_what_redis_lost(
         assert recovered.exit_code == 0, recovered.output
         assert f"Redis had lost {len(before) - 1} shard(s)" in recovered.output
         assert "and 25 committed id(s)" in recovered.output
-        assert r.hlen(keys.committed(JOB)) == 30 and r.hlen(keys.shards(JOB)) == len(before)
+        assert committed_count(r, JOB) == 30 and r.hlen(keys.shards(JOB)) == len(before)
         assert int(r.get(keys.shard_seq(JOB)) or 0) >= max(int(n[6:12]) for n in before)
         backup_queue = queued_ids(r)
         assert backup_queue == {res.id for res in results[:20]}
@@ -274,7 +281,7 @@ def test_recover_then_the_jobs_enqueue_queue_exactly_what_redis_lost(
         assert again.exit_code == 0, again.output
         assert "Redis had lost them: 10" in again.output  # rows 20-29: in shards
         assert queued_ids(r) - backup_queue == {res.id for res in results[30:]}
-        assert r.scard(keys.job_ids(JOB)) == 40
+        assert len(job_ids(r, JOB)) == 40
         # The consumer takes the job up again, and the results it had left unacked with it.
         wait_for(lambda: JOB in running.consumer.state.writers and not r.xlen(
             keys.results_stream(JOB)), what="the job taken up, late results acked")  # fmt: skip

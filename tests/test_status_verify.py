@@ -26,16 +26,25 @@ import zstandard
 from click.testing import CliRunner, Result
 
 from regen.cli_status import status, verify
-from regen.common import dlq, keys
+from regen.common import dlq, jobspec, keys
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.consumers.tokenize.commit import CommitLedger, Sample
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.status_snapshot import window_rates
+from regen.producer.job_ids import JobIds
 from tests.generate_harness import REPO, Worker, enqueue_prompts
-from tests.helpers import decode_message, queued_chunks, wait_for
+from tests.helpers import (
+    committed_count,
+    decode_message,
+    drop_job_id,
+    job_ids,
+    queued_chunks,
+    wait_for,
+)
 from tests.redis_server import RedisServer
 from tests.sglang_standin.process import run_standin
+from tests.test_record import make_spec
 
 JOB = "s"
 NORMAL = [f"Tell me fact number {i} about the moon." for i in range(16)]  # ~40 tokens each
@@ -76,10 +85,10 @@ def truth(r: redis.Redis, spec: JobSpec) -> dict[str, int]:
     dead = [entry for stage in keys.STAGES for entry in r.hkeys(keys.dlq(JOB, stage))]
     in_flight = sum(len(_open_ids(r, c)) for c in held_chunks(r)) + r.xlen(keys.results_stream(JOB))
     return {
-        "total": r.scard(keys.job_ids(JOB)),
+        "total": len(job_ids(r, JOB)),
         "waiting": sum(len(_open_ids(r, c)) for c in queued_chunks(r, spec.queue)),
         "in_flight": in_flight,
-        "done": r.hlen(keys.committed(JOB)),
+        "done": committed_count(r, JOB),
         "dead_lettered": sum(not e.startswith((b"row:", b"task:")) for e in dead),
         "purged": r.scard(keys.dlq_purged(JOB)),
         "unplaced": 0,
@@ -115,7 +124,7 @@ def finished(r: redis.Redis) -> bool:
     already shows it serving the job."""
     beats = [orjson.loads(raw) for raw in r.hvals(keys.WORKERS)]
     return (
-        r.hlen(keys.committed(JOB)) == len(NORMAL)
+        committed_count(r, JOB) == len(NORMAL)
         and not r.hlen(keys.KOMBU_UNACKED)
         and not r.xlen(keys.results_stream(JOB))
         and any(JOB in beat.get("jobs", {}) for beat in beats)
@@ -256,6 +265,7 @@ def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> N
     """Recovery can finalize a shard its owner already finalized."""
     r = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
     r.flushdb()
+    jobspec.save(r, make_spec(name=JOB))
     ledger = CommitLedger(r, JOB)
     ids = ["a" * 16, "b" * 16]
     _, claim = ledger.claim("shard-000001.jsonl.zst", "c1", ids)
@@ -265,6 +275,7 @@ def test_a_shard_finalized_twice_is_counted_once(redis_server: RedisServer) -> N
     assert ledger.finalize(claim.shard, row, [], ids)
     assert ledger.count() == (2, 0)
     assert r.hgetall(keys.job_counters(JOB)) == {
+        keys.COMMITTED_INDEX.encode(): b"2",
         keys.COMMITTED_PROMPTS.encode(): b"2",
         keys.COMMITTED_OUTPUT_TOKENS.encode(): b"30",
         keys.COMMITTED_SHARD_BYTES.encode(): b"999",
@@ -374,13 +385,13 @@ def test_verify_fails_on_an_id_in_two_shards(run: dict) -> None:
 @pytest.mark.slow
 def test_verify_fails_on_a_missing_id(run: dict) -> None:
     r = run["r"]
-    r.sadd(keys.job_ids(JOB), "00000000deadbeef")
+    JobIds(r, JOB).add(["00000000deadbeef"])
     try:
         result = cli(verify, run["url"], "--job", JOB, "--no-shards")
         assert result.exit_code == 1
         assert "missing: 00000000deadbeef" in result.output
     finally:
-        r.srem(keys.job_ids(JOB), "00000000deadbeef")
+        drop_job_id(r, JOB, "00000000deadbeef")
 
 
 @pytest.mark.slow

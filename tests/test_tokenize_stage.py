@@ -23,7 +23,7 @@ from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.ops.shards_inspect import verify
 from regen.producer.spec import JobOptions, prepare_job
-from tests.helpers import make_result, wait_for
+from tests.helpers import committed_count, make_result, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ShardPolicy(max_rows=25, max_age_s=30, idle_s=0.3)
@@ -51,7 +51,7 @@ def settled(r: redis.Redis, job: str, expected: int) -> bool:
     in_dlq = dlq.count(r, job, "tokenize")
     return (
         bool(done)
-        and r.hlen(keys.committed(job)) + in_dlq == expected
+        and committed_count(r, job) + in_dlq == expected
         and not r.xlen(keys.results_stream(job))
     )
 

@@ -26,7 +26,7 @@ from regen.ops.accounting import count_places
 from regen.producer.conversations import split_turns
 from regen.producer.rows import BadRow, to_prompt
 from regen.producer.spec import JobOptions, prepare_job
-from tests.helpers import queued_chunks, write_jsonl
+from tests.helpers import job_ids, queued_chunks, write_jsonl
 from tests.test_enqueue import enqueue
 from tests.test_record import IM_END, make_spec
 
@@ -104,7 +104,7 @@ def test_enqueue_accounts_every_turn_of_a_conversation(
     assert conv.prompt_ids == render_prompt_ids(smollm2_tokenizer, conv.messages, {})
     assert conv.messages == [SYSTEM, USER_TURNS[0]]
     turns = {*conv.accounted_ids, *one.accounted_ids}
-    assert {m.decode() for m in r.smembers(keys.job_ids("j"))} == turns
+    assert job_ids(r, "j") == turns
     assert r.hget(keys.job_chunks("j"), chunk["chunk"]) == b"4"
     places = count_places(r, spec)
     assert places.total == places.waiting == 4 and places.unplaced == 0

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from regen.cli_dlq import dlq_group
 from regen.cli_status import verify
-from regen.common import dlq, jobspec, keys
+from regen.common import dlq, jobspec
 from regen.common.celery_app import make_app
 from regen.common.chat_family import render_prompt_ids
 from regen.common.results import GeneratedResult
@@ -24,7 +24,7 @@ from regen.ops.accounting import count_places
 from regen.producer.enqueue import Enqueuer
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job
 from tests.generate_harness import Worker, all_acked, all_generated, results
-from tests.helpers import wait_for, write_jsonl
+from tests.helpers import job_ids, wait_for, write_jsonl
 from tests.sglang_standin.process import StandinHandle, run_standin
 from tests.test_tokenize_stage import InProcess, _stop, _worker, options, settled
 from tests.test_turns import ROW, USER_TURNS, conversation_row
@@ -207,5 +207,5 @@ def test_a_turn_too_long_blocks_the_later_turns_until_requeued(
 
 def _turn_ids(r: redis.Redis, spec: jobspec.JobSpec) -> list[str]:
     """The job's turn ids in turn order (one conversation)."""
-    return sorted((m.decode() for m in r.smembers(keys.job_ids(spec.name))),
+    return sorted(job_ids(r, spec.name),
                   key=lambda tid: int(tid.rsplit("-", 1)[1]))  # fmt: skip

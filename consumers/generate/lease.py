@@ -64,6 +64,22 @@ return lost
 """
 
 
+# KEYS: unacked_index, unacked, the chunk's generated set; ARGV: the delivery tag.
+# kombu's ack, and the end of the chunk's `generated` set (one id per prompt) once it is
+# acked: nothing redelivers an acked chunk (kombu's restore is a transaction watching
+# `unacked`, which this HDEL changes), so the set would only wait out its TTL. If the
+# sweep restored the delivery after the lease check (its tag is gone from the index),
+# the chunk is queued again and the set stays for its next delivery. The attempts list
+# (one entry per delivery) stays for its TTL: the chunk's history (docs/design.md,
+# Delivery protocol).
+_ACK_LUA = """
+local acked = redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if acked == 1 then redis.call('DEL', KEYS[3]) end
+return acked
+"""
+
+
 class LeaseLost(Exception):
     """Another delivery of the chunk holds it now: this one's work is dropped."""
 
@@ -200,11 +216,13 @@ class ChunkLease:
     def finish(self, r: redis.Redis, worker: str, status: str = "done") -> None:
         """End the attempt and acknowledge the delivery (every prompt is settled)."""
 
+        ack = r.register_script(_ACK_LUA)
+        lua_keys = [keys.KOMBU_UNACKED_INDEX, keys.KOMBU_UNACKED, self.generated_key]
+
         def fill(pipe: redis.client.Pipeline) -> None:
             self._end(pipe, worker, status)
             if self.tag is not None:
-                pipe.zrem(keys.KOMBU_UNACKED_INDEX, self.tag)
-                pipe.hdel(keys.KOMBU_UNACKED, self.tag)
+                ack(keys=lua_keys, args=[self.tag], client=pipe)
 
         self.ending = True
         self.write(r, fill)

@@ -1,7 +1,8 @@
 """Exactly-once commits of shards, with Redis as the authority on which shard holds an id.
 
 Commit protocol for a shard (the file is already durably written under its temp name):
-1. claim: one Lua script maps every id of the shard to it in the job's `committed` hash
+1. claim: one Lua script maps every id of the shard to it in the job's `committed` index
+   (bucketed hashes, common/id_buckets.py; a regular shard name stored as its number)
    and records the shard as pending with a lease, or, if any id already belongs to
    another shard, claims nothing and names those ids (the caller drops them, rewrites the
    temp file, and claims again);
@@ -18,7 +19,9 @@ again. Either way no id is ever in two shards, and none is lost.
 The ledger is the one reader and writer of these keys (`committed`, the pending and
 placed shard hashes, the shard counter, the epoch, the progress samples): `regen status` and
 `regen verify` read them through its read methods and COUNT_LUA, so the pending-claim
-JSON and the key names are known here alone.
+JSON, the stored form of a shard and the key names are known here alone. The index's
+size is a counter (`committed_index` in the job's counters) that each script writing
+the index keeps in step, so counts stay O(1).
 """
 
 from __future__ import annotations
@@ -26,30 +29,48 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import cast
 
 import orjson
 import redis
 
-from regen.common import keys, settings
+from regen.common import jobspec, keys, settings
 from regen.common.connection import bytes_hash
+from regen.common.id_buckets import BucketedIds
+from regen.consumers.tokenize.shard_files import shard_name, shard_number
 
 # A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
 # recovery (after expiry) never races a rename.
 LEASE_S = settings.current().shard_lease_s
 LEASE_MARGIN_S = LEASE_S / 2
 
-_CLAIM_LUA = """
+# map_ids(counters, first, n, at, shard): maps the ids whose fields are ARGV[at..],
+# each in its bucket KEYS[first..], to the stored shard, counting the ids new to the index.
+_MAP_IDS_LUA = f"""
+local function map_ids(counters, first, n, at, shard)
+  local added = 0
+  for i = 0, n - 1 do added = added + redis.call('HSET', KEYS[first + i], ARGV[at + i], shard) end
+  if added > 0 then redis.call('HINCRBY', counters, '{keys.COMMITTED_INDEX}', added) end
+end
+"""
+
+# KEYS: pending, counters, then the bucket of each id. ARGV: shard, pending record,
+# stored shard, ids' fields... Returns the 1-based positions of the ids another shard
+# holds (nothing claimed), or {}.
+_CLAIM_LUA = (
+    _MAP_IDS_LUA
+    + """
 local taken = {}
-for i = 3, #ARGV do
-  local owner = redis.call('HGET', KEYS[1], ARGV[i])
-  if owner and owner ~= ARGV[1] then table.insert(taken, ARGV[i]) end
+local n = #ARGV - 3
+for i = 1, n do
+  local owner = redis.call('HGET', KEYS[2 + i], ARGV[3 + i])
+  if owner and owner ~= ARGV[3] then table.insert(taken, i) end
 end
 if #taken > 0 then return taken end
-for i = 3, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], ARGV[1]) end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+map_ids(KEYS[2], 3, n, 4, ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return {}
 """
+)
 
 # Progress samples kept per job (keys.job_progress): at one commit a minute or faster,
 # more than `regen status` needs for its rate window.
@@ -102,15 +123,16 @@ return 1
 )
 
 # `regen recover`: a shard on disk that Redis lost (or never finalized) is recorded as
-# its writer would have. KEYS[8]: committed. ARGV: shard, manifest row, n remapped,
-# remapped ids..., the shard's other ids. Remapped ids (free, or on a shard not on disk)
-# are mapped to it; its ids are all of them.
+# its writer would have. KEYS[8..]: the bucket of each remapped id. ARGV: shard,
+# manifest row, n remapped, stored shard, remapped ids' fields..., every id of the shard.
+# Remapped ids (free, or on a shard not on disk) are mapped to it.
 _RESTORE_LUA = (
     _RECORD_LUA
+    + _MAP_IDS_LUA
     + """
 local n = tonumber(ARGV[3])
-for i = 4, 3 + n do redis.call('HSET', KEYS[8], ARGV[i], ARGV[1]) end
-return record(ARGV[1], ARGV[2], '', 1, 0, 4, #ARGV)
+map_ids(KEYS[6], 8, n, 5, ARGV[4])
+return record(ARGV[1], ARGV[2], '', 1, 0, 5 + n, #ARGV)
 """
 )
 
@@ -138,28 +160,45 @@ _NAMES_BATCH = 1000
 # reading as other keys (ops/accounting.count_places): prepend it to the script and call
 # ledger_count with the keys of CommitLedger.count_keys(), in order. Returns the ids
 # committed or claimed, and the ids claimed by shards still pending.
-COUNT_LUA = """
-local function ledger_count(committed, pending)
+COUNT_LUA = f"""
+local function ledger_count(counters, pending)
   local claimed = 0
   for _, raw in ipairs(redis.call('HVALS', pending)) do
     claimed = claimed + #cjson.decode(raw)['ids']
   end
-  return redis.call('HLEN', committed), claimed
+  return tonumber(redis.call('HGET', counters, '{keys.COMMITTED_INDEX}') or '0'), claimed
 end
 """
 _COUNT_ONLY_LUA = COUNT_LUA + "return {ledger_count(KEYS[1], KEYS[2])}"
 
-# KEYS: committed, pending; ARGV: shard, owner-or-empty, ids...
-_RELEASE_LUA = """
-local raw = redis.call('HGET', KEYS[2], ARGV[1])
+# KEYS: pending, counters, then the bucket of each id; ARGV: shard, owner-or-empty,
+# stored shard, ids' fields...
+_RELEASE_LUA = f"""
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then return 0 end
 if ARGV[2] ~= '' and cjson.decode(raw)['owner'] ~= ARGV[2] then return 0 end
-for i = 3, #ARGV do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+local removed = 0
+for i = 4, #ARGV do
+  if redis.call('HGET', KEYS[i - 1], ARGV[i]) == ARGV[3] then
+    removed = removed + redis.call('HDEL', KEYS[i - 1], ARGV[i])
+  end
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
+if removed > 0 then redis.call('HINCRBY', KEYS[2], '{keys.COMMITTED_INDEX}', -removed) end
+redis.call('HDEL', KEYS[1], ARGV[1])
 return 1
 """
+
+
+def _stored_shard(shard: str) -> str:
+    """A shard as the index stores it: a regular name as its number (a listpack keeps
+    that as an integer of a few bytes), any other name after a '~'."""
+    seq = shard_number(shard)
+    return str(seq) if seq is not None and shard_name(seq) == shard else f"~{shard}"
+
+
+def _shard_of(stored: bytes) -> str:
+    text = stored.decode()
+    return text[1:] if text.startswith("~") else shard_name(int(text))
 
 
 @dataclass(frozen=True)
@@ -196,8 +235,12 @@ class CommitLedger:
     """The Redis side of one job's shards."""
 
     def __init__(self, r: redis.Redis, job: str) -> None:
+        """The index's bucket count is the job spec's: a job whose spec Redis lacks, or
+        one an older regen wrote, raises JobSpecError."""
         self._r = r
         self._job = job
+        buckets = jobspec.load(r, job).id_buckets
+        self._index = BucketedIds(r, buckets, lambda b: keys.committed(job, b))
         self._claim = r.register_script(_CLAIM_LUA)
         self._finalize = r.register_script(_FINALIZE_LUA)
         self._restore = r.register_script(_RESTORE_LUA)
@@ -211,11 +254,7 @@ class CommitLedger:
 
     def owner_of(self, ids: list[str]) -> list[str | None]:
         """The shard each id is committed (or claimed) to, None when free."""
-        if not ids:
-            return []
-        # Bytes, as every client() reply; the stubs say bytes | str.
-        values = cast("list[bytes | None]", self._r.hmget(keys.committed(self._job), ids))
-        return [v.decode() if v is not None else None for v in values]
+        return [None if v is None else _shard_of(v) for v in self._index.get(ids)]
 
     def pending(self) -> dict[str, PendingShard]:
         raw = bytes_hash(self._r.hgetall(keys.pending_shards(self._job)))
@@ -224,11 +263,12 @@ class CommitLedger:
     def claim(self, shard: str, owner: str, ids: list[str]) -> tuple[list[str], PendingShard]:
         """Claim ids for shard; returns (ids owned by other shards, the pending record)."""
         record = PendingShard(shard, owner, time.time() + LEASE_S, ids)
+        buckets, fields = self._index.keys_and_fields(ids)
         taken = self._claim(
-            keys=[keys.committed(self._job), keys.pending_shards(self._job)],
-            args=[shard, orjson.dumps(asdict(record)), *ids],
+            keys=[keys.pending_shards(self._job), keys.job_counters(self._job), *buckets],
+            args=[shard, orjson.dumps(asdict(record)), _stored_shard(shard), *fields],
         )
-        return [t.decode() for t in taken], record
+        return [ids[int(i) - 1] for i in taken], record
 
     def _record_keys(self) -> list[str]:
         """The KEYS of _RECORD_LUA, in order."""
@@ -252,9 +292,10 @@ class CommitLedger:
 
     def release(self, pending: PendingShard, *, owner: str | None = None) -> bool:
         """Undo a claim whose shard never reached its place (owner: only if still ours)."""
+        buckets, fields = self._index.keys_and_fields(pending.ids)
         done = self._release(
-            keys=[keys.committed(self._job), keys.pending_shards(self._job)],
-            args=[pending.shard, owner or "", *pending.ids],
+            keys=[keys.pending_shards(self._job), keys.job_counters(self._job), *buckets],
+            args=[pending.shard, owner or "", _stored_shard(pending.shard), *fields],
         )
         return bool(done)
 
@@ -296,11 +337,10 @@ class CommitLedger:
         shard that is not on disk) are mapped to it, and it is finalized with all its
         `ids` (those in `remap` included), as its writer would have. True when the shard
         was new to the shard list."""
-        remapped = set(remap)
-        others = [pid for pid in ids if pid not in remapped]
-        args: list[str | bytes | int] = [shard, manifest_row, len(remap), *remap, *others]
-        lua_keys = [*self._record_keys(), keys.committed(self._job)]
-        return bool(self._restore(keys=lua_keys, args=args))
+        buckets, fields = self._index.keys_and_fields(remap)
+        args: list[str | bytes | int] = [shard, manifest_row, len(remap), _stored_shard(shard)]
+        args += [*fields, *ids]
+        return bool(self._restore(keys=[*self._record_keys(), *buckets], args=args))
 
     # --- reads of the operator commands (`regen status`, `regen verify`) ---------------
 
@@ -312,15 +352,15 @@ class CommitLedger:
         final, pending = pipe.execute()
         return {k.decode() for k in final}, {k.decode() for k in pending}
 
-    def iter_committed(self, batch: int) -> Iterator[tuple[str, str]]:
-        """(id, shard) of every id committed or claimed, scanned `batch` at a time (an id
-        can come twice, as HSCAN gives it)."""
-        for pid, shard in self._r.hscan_iter(keys.committed(self._job), count=batch):
-            yield pid.decode(), shard.decode()
+    def iter_committed(self) -> Iterator[tuple[str, str]]:
+        """(id, shard) of every id committed or claimed, a few buckets at a time: each
+        id once (an id claimed meanwhile may be missed or seen)."""
+        for pid, stored in self._index.items():
+            yield pid, _shard_of(stored)
 
     def count_keys(self) -> list[str]:
         """The keys COUNT_LUA's ledger_count takes, in order."""
-        return [keys.committed(self._job), keys.pending_shards(self._job)]
+        return [keys.job_counters(self._job), keys.pending_shards(self._job)]
 
     def count(self) -> tuple[int, int]:
         """(ids committed or claimed, ids claimed by shards still pending), read at once."""

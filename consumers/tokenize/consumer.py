@@ -104,6 +104,10 @@ class TokenizeConsumer:
                 except RedisBehind as exc:
                     self._note_behind(job, exc)
                     continue
+                except jobspec.JobSpecError as exc:  # e.g. a job of an older regen's layout
+                    log.error("job %s: %s; skipping it", job, exc)
+                    self._refused.add(job)
+                    continue
                 self.state.behind.pop(job, None)
                 if writer is not None:
                     self.state.writers[job] = writer

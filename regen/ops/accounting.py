@@ -85,14 +85,16 @@ return out
 """
 # One consistent reading of every count (a script runs atomically), the commit ledger's
 # counted by its own fragment (commit.COUNT_LUA).
-# KEYS: ids, results stream, chunks, purged ids, the ledger's count keys (2), the DLQs
+# KEYS: counters (the job's ids), results stream, chunks, purged ids, the ledger's count
+# keys (2), the DLQs
 # (keys.STAGES order), then the `chunk_generated` set of each chunk on the queues or in
 # flight.
 _COUNT_LUA = (
     COUNT_LUA
     + f"""
 local committed, claimed = ledger_count(KEYS[5], KEYS[6])
-local out = {{redis.call('SCARD', KEYS[1]), redis.call('XLEN', KEYS[2]), committed, claimed,
+local ids = tonumber(redis.call('HGET', KEYS[1], '{keys.IDS}') or '0')
+local out = {{ids, redis.call('XLEN', KEYS[2]), committed, claimed,
               redis.call('HLEN', KEYS[3]), redis.call('SCARD', KEYS[4])}}
 for i = 7, #KEYS do
   out[#out + 1] = redis.call(i < {7 + len(keys.STAGES)} and 'HLEN' or 'SCARD', KEYS[i])
@@ -235,7 +237,7 @@ def count_places(r: redis.Redis, spec: JobSpec) -> PlaceCounts:
         published = r.hlen(keys.job_chunks(job))
         chunks = window_chunks(r, spec)
         lua_keys = [
-            keys.job_ids(job),
+            keys.job_counters(job),
             keys.results_stream(job),
             keys.job_chunks(job),
             keys.dlq_purged(job),

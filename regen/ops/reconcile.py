@@ -41,6 +41,7 @@ from regen.consumers.tokenize.disk_truth import behind_message
 from regen.ops import accounting, locate
 from regen.ops.accounting import text
 from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder
+from regen.producer.job_ids import JobIds
 
 # Problems kept per kind, with their ids; beyond that they are only counted.
 MAX_LISTED = 100
@@ -176,15 +177,15 @@ def _check_owners(ledger: CommitLedger, per_shard: Counter[str], report: Reconci
     unknown = per_shard.keys() - final - pending
     if not unknown:
         return
-    still = Counter(shard for _, shard in ledger.iter_committed(BATCH) if shard in unknown)
+    still = Counter(shard for _, shard in ledger.iter_committed() if shard in unknown)
     for shard, count in sorted(still.items()):
         detail = f"{count} ids committed to it; it is neither in place nor pending"
         report.problem("unknown_shard", shard, detail)
 
 
 def _enqueued(r: redis.Redis, job: str) -> set[str]:
-    """The job's ids (SSCAN can return one twice: a set dedupes). ~100 bytes an id."""
-    return {text(m) for m in r.sscan_iter(keys.job_ids(job), count=BATCH)}
+    """The job's ids. ~100 bytes an id."""
+    return set(JobIds(r, job))
 
 
 def reconcile(
@@ -208,7 +209,7 @@ def reconcile(
         report.problem("not_enqueued", pid, "in the pipeline but not in the job's ids")
 
     per_shard: Counter[str] = Counter()
-    for pid, shard in ledger.iter_committed(BATCH):
+    for pid, shard in ledger.iter_committed():
         per_shard[shard] += 1
         if pid not in enqueued:
             report.problem("not_enqueued", pid, f"committed to {shard} but not in the job's ids")

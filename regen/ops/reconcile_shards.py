@@ -95,7 +95,7 @@ def check_shards(
         if len(matched) < per_shard[name]:
             short[name] = matched
     if short:  # rare: name the ids the index puts in a shard that lacks them
-        for pid, shard in ledger.iter_committed(BATCH):
+        for pid, shard in ledger.iter_committed():
             if shard in short and pid not in short[shard]:
                 report("not_in_shard", pid, f"committed to {shard}, not in its file")
     return files, ids_read
@@ -108,5 +108,5 @@ def compare_folder(ledger: CommitLedger, job: str, folder: Path, report: Report)
     behind = behind_message(ledger, job, folder)
     if behind:
         report("redis_behind", ".", behind)
-    per_shard = Counter(shard for _, shard in ledger.iter_committed(BATCH))
+    per_shard = Counter(shard for _, shard in ledger.iter_committed())
     return check_shards(ledger, folder, per_shard, report)[1]

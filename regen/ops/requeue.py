@@ -127,7 +127,7 @@ class Requeuer:
         self._spec = spec
         self._overrides = overrides
         self._regenerate = regenerate
-        self._publisher = ChunkPublisher(app, r, spec.name, spec.queue)
+        self._publisher = ChunkPublisher(app, r, spec)
         self._recheck = r.register_script(_RECHECK_LUA)
         self._salt = f"requeue:{uuid.uuid4().hex}"
         # (stage, override as sorted JSON) -> prompts waiting for a full chunk.
