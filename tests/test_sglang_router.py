@@ -31,7 +31,7 @@ from regen.consumers.generate.engines.sglang_router import (
     router_worker_urls,
 )
 from tests.generate_harness import Worker, enqueue_prompts, result_ids
-from tests.helpers import wait_for
+from tests.helpers import committed_count, wait_for
 from tests.sglang_standin.process import StandinHandle, free_port, run_standin
 from tests.test_metrics import scrape
 
@@ -226,7 +226,7 @@ def test_a_server_killed_behind_the_router_loses_and_dead_letters_nothing(
         def committed() -> int:
             exits = [generate.process.poll(), tokenize.process.poll()]
             assert exits == [None, None], f"a worker exited: {exits}"
-            return int(r.hlen(keys.committed("g")))
+            return committed_count(r, "g")
 
         wait_for(lambda: committed() == len(prompts) and not r.hlen(keys.KOMBU_UNACKED),
                  timeout=240, what="every prompt committed after the kill")  # fmt: skip
