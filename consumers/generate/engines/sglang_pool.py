@@ -1,7 +1,8 @@
 """The SGLang servers one engine spreads its requests over, and what it knows about each.
 
 A server is routable when its last health probe passed, it is not backing off after an
-overload (HTTP 503), and it has a free in-flight slot; among those the least loaded wins.
+overload (HTTP 503), and it has a free in-flight slot under its limit (fixed, or moved
+by `--max-inflight auto`: sglang_admission.py); among those the least loaded wins.
 A request failure marks a server down at once, and its watcher re-probes it right away,
 then with growing delays: routing never waits for a timer to find out a server died,
 and a restarted server is back within one probe.
@@ -64,8 +65,9 @@ def split_credentials(url: str) -> tuple[str, str, aiohttp.BasicAuth | None]:
 class ServerState:
     url: str
     label: str
-    cap: int
+    cap: int  # the in-flight limit
     auth: aiohttp.BasicAuth | None = None
+    limit_reason: str = "fixed: --max-inflight"
     healthy: bool = False
     probed: bool = False
     inflight: int = 0
@@ -90,6 +92,7 @@ class ServerState:
             "probed": self.probed,
             "inflight": self.inflight,
             "max_inflight": self.cap,
+            "limit_reason": self.limit_reason,
             "completed": self.completed,
             "failures_by_kind": dict(self.failures),
             "last_error": self.last_error,
@@ -158,6 +161,11 @@ class ServerPool:
                 wake.append(deadline)
             timeout = max(0.0, min(wake) - now) if wake else None
             await wait_event(changed, timeout)
+
+    def set_limit(self, server: ServerState, limit: int, reason: str) -> None:
+        """Move a server's in-flight limit; a lower one drains as requests finish."""
+        server.cap, server.limit_reason = limit, reason
+        self._notify()
 
     def release(self, server: ServerState, *, ok: bool) -> None:
         server.inflight -= 1

@@ -1,0 +1,155 @@
+"""`--max-inflight auto` against fixed limits (not a test; a measurement).
+
+Starts the SGLang stand-in with its batch model (tests/sglang_standin/batching.py) in two
+settings, and drives the real SGLang HTTP engine the way a generate worker's flow control
+does (consumers/generate/flow.py: LOW x the engine's capacity outstanding):
+
+- compute-bound: a decode pass takes longer the more requests run, tokens/s grows with
+  the batch up to the server's 1024 running slots, and the KV cache never fills;
+- KV-bound: the KV budget fits ~80 requests of 200-token prompts and long-tailed answers;
+  beyond it the server queues, and over-filling it retracts (recomputes) requests.
+
+Each run gets a fresh stand-in; tokens/s counts answers finished after a warm-up that
+is the same for every run. It prints each fixed limit's tokens/s, then auto's, and the
+ratios auto / best fixed and auto / the fixed default (defaults.MAX_INFLIGHT_PER_SERVER).
+
+    python bench/adaptive_inflight.py [--seconds 30] [--warmup 10] [--only kv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from regen.common import defaults
+from regen.consumers.generate.engine import GenerateRequest
+from regen.consumers.generate.engines.admission import AdmissionPolicy
+from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
+from regen.consumers.generate.flow import LOW
+from tests.sglang_standin.process import run_standin
+
+OUTPUT_LEN = "lognormal:mean=300,sigma=0.8,min=8,max=1500"
+SETTINGS: dict[str, dict[str, Any]] = {
+    "compute": {
+        "standin": dict(
+            max_running_requests=1024, decode_step_s=0.02, decode_step_per_req_s=0.00003
+        ),
+        "prompt_len": 64,
+        "fixed": [64, 256, 512, 1024, 1536],
+    },
+    "kv": {
+        "standin": dict(
+            max_running_requests=1024,
+            decode_step_s=0.02,
+            decode_step_per_req_s=0.00003,
+            prefill_s_per_token=0.00002,
+            kv_budget_tokens=40_000,
+        ),
+        "prompt_len": 200,
+        "fixed": [32, 64, 96, 128, 256, 512],
+    },
+}
+
+
+@dataclass
+class Run:
+    tokens_per_s: float
+    limit: int
+    reason: str
+    retracted: int
+
+
+async def drive(engine: SGLangHTTPEngine, prompt_len: int, seconds: float, warmup: float) -> float:
+    """Keep LOW x capacity requests outstanding for `seconds`; tokens/s after `warmup`."""
+    rng = random.Random(0)
+    counted = 0
+    start = time.monotonic()
+    window_start = start + warmup
+
+    async def one(i: int) -> None:
+        nonlocal counted
+        ids = [rng.randrange(100, 40_000) for _ in range(prompt_len)]
+        request = GenerateRequest(f"bench-{i}", ids, {"max_new_tokens": 2048})
+        result = await engine.generate(request)
+        if time.monotonic() >= window_start:
+            counted += result.completion_tokens
+
+    tasks: set[asyncio.Task[None]] = set()
+    i = 0
+    await engine.wait_until_healthy(60)
+    while time.monotonic() < start + seconds:
+        want = int(LOW * max(engine.capacity(), 1)) + 1
+        while len(tasks) < want:
+            task = asyncio.create_task(one(i))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+        await asyncio.sleep(0.05)
+    elapsed = time.monotonic() - window_start
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return counted / elapsed
+
+
+def run_once(setting: dict[str, Any], limit: int | None, args: argparse.Namespace) -> Run:
+    with run_standin(output_len_dist=OUTPUT_LEN, **setting["standin"]) as server:
+
+        async def main() -> Run:
+            engine = SGLangHTTPEngine(
+                [server.url],
+                max_inflight_per_server=limit or defaults.MAX_INFLIGHT_PER_SERVER,
+                admission=AdmissionPolicy() if limit is None else None,
+                health_interval_s=5.0,
+            )
+            async with engine:
+                tps = await drive(engine, setting["prompt_len"], args.seconds, args.warmup)
+                snapshot = engine.stats()["servers"][0]
+            retracted = int(server.stats()["retracted_total"])
+            return Run(tps, snapshot["max_inflight"], snapshot["limit_reason"], retracted)
+
+        return asyncio.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=40.0, help="length of each run")
+    parser.add_argument("--warmup", type=float, default=15.0, help="not counted, every run")
+    parser.add_argument("--only", choices=sorted(SETTINGS), help="one setting only")
+    parser.add_argument("--fixed", type=int, nargs="*", help="fixed limits to sweep instead")
+    parser.add_argument("--verbose", action="store_true", help="log each move of auto's limit")
+    args = parser.parse_args()
+    if args.verbose:
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)8.0f ms %(message)s")
+        logging.getLogger("regen.consumers.generate.engines.sglang_admission").setLevel("INFO")
+    default = defaults.MAX_INFLIGHT_PER_SERVER
+    for name, setting in SETTINGS.items():
+        if args.only and name != args.only:
+            continue
+        print(f"== {name}-bound: stand-in {setting['standin']}", flush=True)
+        fixed: dict[int, float] = {}
+        for limit in sorted({*(setting["fixed"] if args.fixed is None else args.fixed), default}):
+            run = run_once(setting, limit, args)
+            fixed[limit] = run.tokens_per_s
+            print(f"fixed {limit:5d}: {run.tokens_per_s:8.0f} tokens/s  "
+                  f"retracted {run.retracted}", flush=True)  # fmt: skip
+        auto = run_once(setting, None, args)
+        best = max(fixed, key=lambda k: fixed[k])
+        print(f"auto      : {auto.tokens_per_s:8.0f} tokens/s  retracted {auto.retracted}  "
+              f"final limit {auto.limit} ({auto.reason})")  # fmt: skip
+        print(f"auto / best fixed ({best}): {auto.tokens_per_s / fixed[best]:.3f}   "
+              f"auto / default fixed ({default}): {auto.tokens_per_s / fixed[default]:.3f}",
+              flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
