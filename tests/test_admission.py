@@ -133,12 +133,19 @@ def test_a_growing_queue_sheds_the_requests_beyond_what_the_server_runs() -> Non
 
 def test_retractions_back_off_and_then_growth_is_additive() -> None:
     c, clock = controller(fixed=200)
-    assert not clock.read(inflight=10)  # a first reading: no growth of an unused limit
-    assert clock.read(retracted=3)
+    assert not clock.read(inflight=10, running=150)  # no growth of an unused limit
+    assert clock.read(retracted=3, running=150)
     assert c.limit == 170 and c.reason == "back off: retracted 3"
     clock.settle()
     assert clock.read()
     assert c.limit == 178  # +5% now, no longer x1.5
+
+
+def test_retractions_while_the_server_runs_all_we_send_shed_nothing() -> None:
+    c, clock = controller(fixed=100)
+    assert not clock.read(inflight=10)
+    assert not clock.read(retracted=2, running=100)
+    assert c.limit == 100
 
 
 def test_token_usage_at_the_brim_stops_growth_and_sheds_a_queue() -> None:

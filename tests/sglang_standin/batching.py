@@ -54,6 +54,7 @@ class BatchStats:
     retracted_input_tokens_total: int = 0
     retracted_output_tokens_total: int = 0
     decode_passes: int = 0
+    decoded_total: int = 0  # tokens decoded (a retracted request keeps its own)
     gen_throughput: float = 0.0
     peak_running: int = 0
     busy_seq_s: float = 0.0
@@ -154,6 +155,7 @@ class BatchEngine:
         self.used_tokens += len(self.running)
         self.reserve = max(0.0, self.reserve - RETRACT_RESERVE / RESERVE_DECAY_PASSES)
         stats.window_tokens += len(self.running)
+        stats.decoded_total += len(self.running)
         stats.decode_passes += 1
         if stats.decode_passes % DECODE_LOG_INTERVAL == 0:
             stats.gen_throughput = stats.window_tokens / max(now - stats.window_start, 1e-9)

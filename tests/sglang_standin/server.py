@@ -191,6 +191,7 @@ class Standin(Scheduler):
                 "queued": self.queued,
                 "peak_running": batch.peak_running if batch else self.slots.peak_running,
                 "retracted_total": batch.retracted_total if batch else 0,
+                "decoded_total": batch.decoded_total if batch else 0,
                 "inflight": self.inflight,
                 "peak_inflight": self.peak_inflight,
                 "open_connections": sum(not t.is_closing() for t in self._connections),

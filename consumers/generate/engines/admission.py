@@ -14,7 +14,7 @@ controller, like TCP's congestion control:
   limit is actually used: multiplicatively until the first back-off (to find the scale
   fast), then additively (to sit near the edge without swinging over it);
 - backs off on retractions, on token usage at the brim, and on a queue longer than the
-  slack a server needs (by the excess);
+  slack a server needs: to what the server ran at its most lately, plus that slack;
 - undoes a growth after which tokens/s fell, and does not try that limit again for a while.
 """
 
@@ -104,8 +104,9 @@ class AdmissionPolicy:
     usage_hold: float = 0.95
     usage_back_off: float = 0.99
     # A back-off keeps what the server ran at its most over this window (plus the
-    # slack): running requests dip for a while after a retraction.
-    running_window_s: float = 5.0
+    # slack): running requests dip for a while after a retraction (SGLang admits
+    # cautiously then), and following the dip down would leave its KV cache part empty.
+    running_window_s: float = 30.0
     # A growth after which tokens/s fell by more than this share is undone...
     throughput_drop: float = 0.10
     # ...and that limit is not tried again for this long.
@@ -164,7 +165,10 @@ class AdmissionController:
             self._running.popleft()
         fits = max(running for _, running in self._running) + slack
         if retracted > 0:
-            return self._back_off(self.limit * p.back_off_factor, f"retracted {retracted:g}")
+            # The server admitted more than its KV cache holds: shed what it cannot run,
+            # never below what it ran lately (a retraction then is its own estimate's).
+            target = max(fits, self.limit * p.back_off_factor)
+            return self._back_off(target, f"retracted {retracted:g}")
         if load.queued > 2 * slack or (usage >= p.usage_back_off and load.queued > slack):
             # Our requests beyond what the server runs wait in its queue for nothing: shed
             # them (at most half at once, as the queue may be partly someone else's).
@@ -179,7 +183,10 @@ class AdmissionController:
             if throughput < before_tps * (1 - p.throughput_drop):
                 self._ceiling = (self.limit, now + p.ceiling_s)
                 return self._back_off(before_limit, "throughput down")
-        if load.queued > slack or usage >= p.usage_hold or inflight < self.limit - slack:
+        # Grow with the queue under half the slack: a band up to twice the slack, so a
+        # back-off (to the slack) is not followed by a growth at once.
+        short = load.queued <= slack / 2
+        if not short or usage >= p.usage_hold or inflight < self.limit - slack:
             return False
         if self._ceiling is not None and now < self._ceiling[1]:
             room = self._ceiling[0] - 1

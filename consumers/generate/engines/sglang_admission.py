@@ -9,7 +9,6 @@ A server that is down is not polled: its health watcher owns that news.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +22,7 @@ from regen.consumers.generate.engines.admission import (
     MetricsUnavailable,
     parse_metrics,
 )
-from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
+from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +54,7 @@ class AdmissionPoller:
             self._tasks = [asyncio.create_task(self._poll(s)) for s in self._pool.servers]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     async def _poll(self, server: ServerState) -> None:
         controller = self.controllers[server]

@@ -43,6 +43,15 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         waiter.cancel()
 
 
+async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel background tasks and wait until each has stopped."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def split_credentials(url: str) -> tuple[str, str, aiohttp.BasicAuth | None]:
     """(URL to request, label for logs and stats, auth) for a server URL.
 
@@ -133,11 +142,7 @@ class ServerPool:
             self._watchers = [asyncio.create_task(self._watch(s)) for s in self.servers]
 
     async def close(self) -> None:
-        for task in self._watchers:
-            task.cancel()
-        for task in self._watchers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._watchers)
 
     def healthy(self) -> list[ServerState]:
         return [s for s in self.servers if s.healthy]
