@@ -161,12 +161,23 @@ def test_a_growth_that_lowers_throughput_is_undone_and_not_retried_soon() -> Non
     assert clock.read(gen_throughput=1000.0)
     assert c.limit == 150
     clock.settle(gen_throughput=700.0)
+    for _ in range(2):  # a drop must last settle_s (2 s): prefilling newcomers dips it
+        assert not clock.read(gen_throughput=700.0)
     assert clock.read(gen_throughput=700.0)
     assert c.limit == 100 and c.reason == "back off: throughput down"
     clock.settle(gen_throughput=1000.0)
     for _ in range(30):  # additive growth, stopping short of the limit that hurt
         clock.read(gen_throughput=1000.0)
     assert 100 < c.limit < 150
+
+
+def test_a_passing_dip_after_a_growth_is_not_blamed_on_it() -> None:
+    c, clock = controller(fixed=100)
+    assert clock.read(gen_throughput=1000.0)
+    clock.settle(gen_throughput=700.0)
+    assert not clock.read(gen_throughput=700.0)
+    assert clock.read(gen_throughput=1100.0)
+    assert c.limit == 225 and c.reason == "grow: throughput up"
 
 
 def test_the_cap_is_never_exceeded() -> None:
@@ -213,3 +224,12 @@ def test_the_poller_sets_the_pools_limit_and_falls_back_on_404() -> None:
         assert b.snapshot()["limit_reason"] == "fixed: no /metrics (HTTP 404)"
 
     asyncio.run(run())
+
+
+def test_status_shows_each_servers_limit_and_why_it_last_moved() -> None:
+    from regen.status_view import _servers
+
+    server = {"url": "http://a:1", "healthy": True, "probed": True, "inflight": 12,
+              "max_inflight": 96, "limit_reason": "back off: queue 40"}  # fmt: skip
+    text = _servers({"engine": "sglang", "engine_stats": {"servers": [server]}})
+    assert text.plain == "http://a:1 up 12/96 (back off: queue 40)"

@@ -107,7 +107,8 @@ class AdmissionPolicy:
     # slack): running requests dip for a while after a retraction (SGLang admits
     # cautiously then), and following the dip down would leave its KV cache part empty.
     running_window_s: float = 30.0
-    # A growth after which tokens/s fell by more than this share is undone...
+    # A growth after which tokens/s stayed lower by more than this share for `settle_s`
+    # is undone...
     throughput_drop: float = 0.10
     # ...and that limit is not tried again for this long.
     ceiling_s: float = 60.0
@@ -132,8 +133,9 @@ class AdmissionController:
         self._last: ServerLoad | None = None
         self._last_at = 0.0
         self._slow_start = True
-        # (limit, tokens/s) just before the last growth, until that growth is judged.
-        self._growth: tuple[int, float] | None = None
+        # (limit, tokens/s) just before the last growth, until that growth is judged,
+        # and since when tokens/s has been lower than that.
+        self._growth: tuple[int, float, float | None] | None = None
         # (lowered?, when) of the last move, until our in-flight has followed it.
         self._moved: tuple[bool, float] | None = None
         self._settled_at = -math.inf
@@ -177,10 +179,15 @@ class AdmissionController:
             )
             return self._back_off(max(fits, self.limit / 2), why)
         if self._growth is not None and throughput is not None:
-            before_limit, before_tps = self._growth
-            self._growth = None
-            self._rose = throughput > before_tps
-            if throughput < before_tps * (1 - p.throughput_drop):
+            before_limit, before_tps, dropped_since = self._growth
+            if throughput >= before_tps * (1 - p.throughput_drop):
+                self._growth, self._rose = None, throughput > before_tps
+            elif dropped_since is None or now - dropped_since < p.settle_s:
+                # Newly admitted requests are prefilled first, which slows decoding for
+                # a moment: only a drop that lasts undoes the growth.
+                self._growth = (before_limit, before_tps, dropped_since or now)
+                return False
+            else:
                 self._ceiling = (self.limit, now + p.ceiling_s)
                 return self._back_off(before_limit, "throughput down")
         # Grow with the queue under half the slack: a band up to twice the slack, so a
@@ -196,7 +203,7 @@ class AdmissionController:
         new = min(room, max(self.limit + 1, math.floor(self.limit * factor)))
         if new <= self.limit:
             return False
-        self._growth = None if throughput is None else (self.limit, throughput)
+        self._growth = None if throughput is None else (self.limit, throughput, None)
         return self._move(new, "grow: throughput up" if self._rose else "grow: queue short")
 
     def _settled(self, inflight: int, slack: float, now: float) -> bool:
