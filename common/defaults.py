@@ -73,8 +73,17 @@ CONCURRENCY = 0
 LOGLEVEL = "INFO"
 
 # --- generation --------------------------------------------------------------------
-# Requests kept in flight per SGLang server; peers use 64 to 512.
+# Requests kept in flight per SGLang server with a fixed `--max-inflight N`, and where
+# `--max-inflight auto` (the default for --engine sglang) starts and falls back to when a
+# server has no /metrics; peers use 64 to 512.
 MAX_INFLIGHT_PER_SERVER = 256
+# `--max-inflight auto` never keeps more than this in flight on one server
+# (--max-inflight-cap): SGLang servers run up to a few thousand requests at once.
+MAX_INFLIGHT_CAP = 2048
+# How often `--max-inflight auto` reads each server's /metrics; a server without usable
+# metrics is asked again this much less often.
+ADMISSION_POLL_S = 1.0
+ADMISSION_FALLBACK_POLL_S = 30.0
 # Batch size of the local transformers engine: its KV cache lives in this process (a
 # batch of 256 x 4K tokens would need ~50 GB on CPU even for SmolLM2).
 LOCAL_BATCH_SIZE = 16

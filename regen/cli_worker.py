@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from regen.common import defaults
-from regen.consumers.generate.engines import BUILTIN
+from regen.consumers.generate.engines import AUTO, BUILTIN
 from regen.consumers.tokenize.record import ON_TRUNCATED
 from regen.options import (
     F,
@@ -45,6 +45,19 @@ def metrics_port_option(func: F) -> F:
 
 def _mebibytes(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value * MIB
+
+
+class InflightLimit(click.ParamType):
+    """`auto`, or a fixed number of requests >= 1."""
+
+    name = "auto|N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) or value == AUTO:
+            return value
+        if str(value).isdigit() and int(value) >= 1:
+            return int(value)
+        self.fail(f"{value!r} is neither 'auto' nor a whole number >= 1", param, ctx)
 
 
 @click.group("worker")
@@ -84,12 +97,18 @@ def _worker_options(**values: Any) -> WorkerOptions:
     ),
     click.option(
         "--max-inflight",
-        type=click.IntRange(min=1),
+        type=InflightLimit(),
         help=(
-            f"Requests in flight per SGLang server or in-process engine (default "
-            f"{defaults.MAX_INFLIGHT_PER_SERVER}); the batch size of the local engine "
-            f"(default {defaults.LOCAL_BATCH_SIZE})."
+            "Requests in flight per SGLang server: 'auto' (the default for --engine sglang) "
+            "moves each server's limit by its /metrics, N keeps N. In-flight requests of "
+            f"sglang-engine (default {defaults.MAX_INFLIGHT_PER_SERVER}); the batch size of "
+            f"the local engine (default {defaults.LOCAL_BATCH_SIZE})."
         ),
+    ),
+    int_option(
+        "--max-inflight-cap",
+        default=defaults.MAX_INFLIGHT_CAP,
+        help="Most requests in flight per server under --max-inflight auto.",
     ),
     seconds_option(
         "--request-timeout",

@@ -106,6 +106,8 @@ def _servers(worker: dict[str, Any]) -> Text:
             text.append(f"{server.get('url')} ", style="" if ok else "red")
             text.append("up" if ok else "DOWN", style="green" if ok else "bold red")
         text.append(f" {server.get('inflight', 0)}")
+        if "max_inflight" in server:  # the limit, and why it last moved
+            text.append(f"/{server['max_inflight']} ({server.get('limit_reason', 'fixed')})")
         hit_rate = server.get("cache_hit_rate")
         if hit_rate is not None:  # None: not reported (yet), which is not 0%
             text.append(f" cache {hit_rate:.0%}", style="dim")

@@ -59,3 +59,32 @@ def test_the_sglang_engine_keeps_256_in_flight_per_server(monkeypatch: pytest.Mo
     engine = engine_from_cli(monkeypatch, "--engine", "sglang", "--server", "http://a:1,http://b:1")
     assert [s["max_inflight"] for s in engine.stats()["servers"]] == [256, 256]
     asyncio.run(engine.close())
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [([], "start: fixed default"), (["--max-inflight", "auto"], "start: fixed default"),
+     (["--max-inflight", "8"], "fixed: --max-inflight")],
+)  # fmt: skip
+def test_sglang_in_flight_is_auto_unless_a_number_is_given(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], reason: str
+) -> None:
+    engine = engine_from_cli(monkeypatch, "--engine", "sglang", "--server", "http://a:1", *flags)
+    (server,) = engine.stats()["servers"]
+    assert server["limit_reason"] == reason
+    assert server["max_inflight"] == (8 if "8" in flags else 256)
+    asyncio.run(engine.close())
+
+
+def test_auto_in_flight_starts_under_its_cap_and_needs_sglang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = engine_from_cli(
+        monkeypatch, "--engine", "sglang", "--server", "http://a:1", "--max-inflight-cap", "100"
+    )
+    assert engine.stats()["servers"][0]["max_inflight"] == 100
+    asyncio.run(engine.close())
+    with pytest.raises(ValueError, match="auto needs --engine sglang"):
+        make_engine("local", EngineOptions(model="smollm2", max_inflight="auto"))
+    result = CliRunner().invoke(cli.main, ["worker", "generate", "--max-inflight", "lots"])
+    assert result.exit_code == 2 and "neither 'auto' nor a whole number" in result.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 
@@ -226,3 +227,49 @@ def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
                 what="the rest after the restart",
             )
     assert dlq.count(r, "g", "generate") == 0
+
+
+def test_auto_in_flight_finishes_a_kv_bound_job_and_its_heartbeat_shows_the_moved_limit(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """`--max-inflight auto` against a server whose KV budget fits ~30 of these requests:
+    the limit starts at 256, the server queues (and retracts), the limit comes down, and
+    every prompt still arrives exactly once."""
+    prompts = [f"Question {i} about the tides" for i in range(120)]
+    spec = enqueue_prompts(redis_url, tmp_path, prompts)
+    limits: list[tuple[int, str]] = []
+
+    def heartbeat_limits() -> None:
+        for raw in r.hvals(keys.WORKERS):
+            for server in orjson.loads(raw).get("engine_stats", {}).get("servers", []):
+                limits.append((server["max_inflight"], server["limit_reason"]))
+
+    def finished() -> bool:
+        heartbeat_limits()
+        return all_generated(r, spec)
+
+    with (
+        run_standin(decode_step_s=0.05, kv_budget_tokens=1500) as server,
+        Worker(
+            redis_url,
+            tmp_path,
+            "--engine",
+            "sglang",
+            "--server",
+            server.url,
+            "--max-inflight",
+            "auto",
+            "--jobs",
+            "g",
+            env={"REGEN_HEARTBEAT_STALE_S": "4"},
+        ),  # fmt: skip
+    ):
+        wait_for(finished, timeout=180, what="all chunks generated and acked")
+        stats = server.stats()
+    assert dlq.count(r, "g", "generate") == 0
+    assert result_ids(r, "g") == enqueued_ids(r, "g")
+    assert len(results(r, "g")) == len(prompts)  # none twice in the stream
+    assert stats["peak_running"] < len(prompts)  # the KV budget bound the batch
+    assert limits[0] == (256, "start: fixed default")
+    moved = [(limit, reason) for limit, reason in limits if reason.startswith("back off")]
+    assert moved and all(limit < 256 for limit, _ in moved), limits

@@ -203,6 +203,10 @@ def test_generate_metrics_match_the_results_stream(
     assert value(samples, "regen_generate_engine_healthy") == 1
     assert value(samples, "regen_sglang_server_healthy", server=server.url) == 1
     assert value(samples, "regen_sglang_server_inflight", server=server.url) == 0
+    # --max-inflight auto (the default): 12 prompts never use 256, so it has not moved.
+    limit = value(samples, "regen_sglang_server_inflight_limit", server=server.url,
+                  reason="start: fixed default")  # fmt: skip
+    assert limit == 256
     assert value(samples, "regen_sglang_server_requests_completed_total", server=server.url) == len(
         prompts
     )

@@ -67,6 +67,12 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         "Requests this worker has in flight on the server.",
         labels=labels,
     )
+    limit = GaugeMetricFamily(
+        "regen_sglang_server_inflight_limit",
+        "Requests this worker may keep in flight on the server (fixed, or moved by "
+        "--max-inflight auto); `reason` says why it last moved.",
+        labels=["server", "reason"],
+    )
     completed = CounterMetricFamily(
         "regen_sglang_server_requests_completed", "Requests the server completed.", labels=labels
     )
@@ -94,6 +100,7 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         url = server["url"]  # redacted by the engine: no credentials reach the metrics
         healthy.add_metric([url], int(server["healthy"]))
         inflight.add_metric([url], server["inflight"])
+        limit.add_metric([url, server.get("limit_reason", "")], server["max_inflight"])
         completed.add_metric([url], server["completed"])
         for kind, count in sorted(server["failures_by_kind"].items()):
             failures.add_metric([url, kind], count)
@@ -101,7 +108,16 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         cached_tokens.add_metric([url], server["cached_tokens"])
         if server["cache_hit_rate"] is not None:
             hit_rate.add_metric([url], server["cache_hit_rate"])
-    yield from (healthy, inflight, completed, failures, prompt_tokens, cached_tokens, hit_rate)
+    yield from (
+        healthy,
+        inflight,
+        limit,
+        completed,
+        failures,
+        prompt_tokens,
+        cached_tokens,
+        hit_rate,
+    )
 
 
 def _affinity_metrics(affinity: dict[str, int] | None) -> Iterator[Metric]:

@@ -106,6 +106,14 @@ class StandinConfig:
     max_running_requests: int = _opt(64, "requests decoding at once; the rest wait in a queue")
     max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")
     decode_tokens_per_s: float = _opt(0.0, "simulated decode speed per request (0: instant)")
+    decode_step_s: float = _opt(
+        0.0, "batch model (batching.py): seconds of one decode pass at batch 1 (0: off)"
+    )
+    decode_step_per_req_s: float = _opt(0.0, "batch model: pass seconds added per running request")
+    prefill_s_per_token: float = _opt(0.0, "batch model: pass seconds per token prefilled")
+    kv_budget_tokens: int | None = _opt(
+        None, "batch model: KV tokens (running prompt + output); over it, retract (default: none)"
+    )
     context_length: int = _opt(8192, "prompt (+ explicit max_new_tokens) limit, else HTTP 400")
     prefix_cache_tokens: int = _opt(
         DEFAULT_CAPACITY_TOKENS, "tokens the prefix cache holds (0: none; cached_tokens is 0)"
@@ -124,6 +132,13 @@ class StandinConfig:
             raise ValueError("prefix_cache_tokens must be >= 0")
         if self.decode_tokens_per_s < 0 or self.context_length < 2:
             raise ValueError("decode_tokens_per_s must be >= 0 and context_length >= 2")
+        batch_knobs = (self.decode_step_per_req_s, self.prefill_s_per_token, self.kv_budget_tokens)
+        if self.decode_step_s < 0 or any(knob is not None and knob < 0 for knob in batch_knobs):
+            raise ValueError("batch model knobs must be >= 0")
+        if self.decode_step_s > 0 and self.decode_tokens_per_s > 0:
+            raise ValueError("decode_step_s and decode_tokens_per_s are two speed models: pick one")
+        if self.decode_step_s == 0 and any(batch_knobs):
+            raise ValueError("the batch model's knobs need decode_step_s > 0")
         for spec in self.fault:
             parse_fault(spec)
 

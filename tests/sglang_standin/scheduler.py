@@ -11,7 +11,8 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from tests.sglang_standin.completer import Completer
+from tests.sglang_standin.batching import BatchEngine
+from tests.sglang_standin.completer import Completer, Completion
 from tests.sglang_standin.config import StandinConfig, parse_fault
 from tests.sglang_standin.prefix_cache import PrefixCache
 from tests.sglang_standin.slots import Slots
@@ -36,6 +37,8 @@ class Scheduler:
         self.config = config
         self.completer = completer
         self.slots = Slots(config.max_running_requests, config.max_queued_requests)
+        # With the batch model on, it owns running and waiting requests instead of slots.
+        self.batch = BatchEngine(config) if config.decode_step_s > 0 else None
         self.faults: deque[list[Any]] = deque(list(parse_fault(f)) for f in config.fault)
         # Per-status and per-fault counters appear on first use; these are always there.
         self.counters: Counter[str] = Counter(dict.fromkeys(ALWAYS_COUNTED, 0))
@@ -85,14 +88,27 @@ class Scheduler:
     def finish(self, items: list[Item]) -> None:
         self.active_rids.difference_update(item.rid for item in items)
 
+    @property
+    def running(self) -> int:
+        return len(self.batch.running) if self.batch else self.slots.running
+
+    @property
+    def queued(self) -> int:
+        return len(self.batch.waiting) if self.batch else self.slots.queued
+
     async def run(self, item: Item, delay_s: float, started: float) -> dict[str, Any]:
         """Wait for a slot, "decode", and return SGLang's reply dict (QueueFull if the
         waiting queue is full)."""
+        if self.batch is not None:
+            cached = self._prefill(item)
+            done = self.completer.complete(item.input_ids, item.sampling)
+            await self.batch.run(len(item.input_ids), len(done.output_ids))
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            return self._reply(item, done, started, cached)
         await self.slots.acquire()
         try:
-            # Prefill: what the cache already holds, then the prompt is cached too.
-            cached = self.prefix_cache.match(item.input_ids)
-            self.prefix_cache.insert(item.input_ids)
+            cached = self._prefill(item)
             done = self.completer.complete(item.input_ids, item.sampling)
             seconds = delay_s
             if self.config.decode_tokens_per_s > 0:
@@ -101,6 +117,16 @@ class Scheduler:
                 await asyncio.sleep(seconds)
         finally:
             self.slots.release()
+        return self._reply(item, done, started, cached)
+
+    def _prefill(self, item: Item) -> int:
+        """Prefill: what the cache already holds (the reply's cached_tokens), then the
+        prompt is cached too."""
+        cached = self.prefix_cache.match(item.input_ids)
+        self.prefix_cache.insert(item.input_ids)
+        return cached
+
+    def _reply(self, item: Item, done: Completion, started: float, cached: int) -> dict[str, Any]:
         n_out = len(done.output_ids)
         # A finished request leaves its prompt and output in the cache; the last output
         # token was never fed back, so it has no KV to keep.

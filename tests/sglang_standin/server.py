@@ -19,6 +19,7 @@ from aiohttp import web
 
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import StandinConfig, parse_fault
+from tests.sglang_standin.metrics import metrics_registry, render
 from tests.sglang_standin.scheduler import Scheduler
 from tests.sglang_standin.slots import QueueFull
 from tests.sglang_standin.validate import RequestError, parse_generate
@@ -40,6 +41,7 @@ class Standin(Scheduler):
         self.inflight = 0
         self.peak_inflight = 0
         self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._metrics = metrics_registry(self, model_path)
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -158,16 +160,7 @@ class Standin(Scheduler):
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
-        label = f'{{model_name="{self.model_path}"}}'
-        values = {
-            "num_running_reqs": self.slots.running,
-            "num_queue_reqs": self.slots.queued,
-            "generation_tokens_total": self.counters["generation_tokens_total"],
-            "prompt_tokens_total": self.counters["prompt_tokens_total"],
-            "gen_throughput": self.throughput(),
-        }
-        text = "".join(f"sglang:{name}{label} {float(v)}\n" for name, v in values.items())
-        return web.Response(text=text, content_type="text/plain")
+        return web.Response(body=render(self._metrics), content_type="text/plain")
 
     # --- test-only routes ----------------------------------------------------------
     async def set_fault(self, request: web.Request) -> web.Response:
@@ -194,17 +187,20 @@ class Standin(Scheduler):
 
     async def stats(self, request: web.Request) -> web.Response:
         now = time.time()
+        batch = self.batch.stats if self.batch else None
         return _json(
             {
                 **self.counters,
                 "capacity": self.slots.capacity,
-                "running": self.slots.running,
-                "queued": self.slots.queued,
-                "peak_running": self.slots.peak_running,
+                "running": self.running,
+                "queued": self.queued,
+                "peak_running": batch.peak_running if batch else self.slots.peak_running,
+                "retracted_total": batch.retracted_total if batch else 0,
+                "decoded_total": batch.decoded_total if batch else 0,
                 "inflight": self.inflight,
                 "peak_inflight": self.peak_inflight,
                 "open_connections": sum(not t.is_closing() for t in self._connections),
-                "busy_slot_s": self.slots.busy_slot_s(),
+                "busy_slot_s": batch.busy_seq_s if batch else self.slots.busy_slot_s(),
                 "started_at": self.started_at,
                 "now": now,
                 "wall_s": now - self.started_at,

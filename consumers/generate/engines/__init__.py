@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from regen.common import defaults
 from regen.consumers.generate.engine import Engine
 
 BUILTIN = ("sglang", "sglang-engine", "local")
+# `--max-inflight auto`: each SGLang server's limit follows its /metrics (admission.py).
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,11 @@ class EngineOptions:
     servers: list[str] = field(default_factory=list)
     # Model for in-process engines ("local", "sglang-engine"); default: the job's model.
     model: str | None = None
-    # Requests in flight per server (sglang), or the batch size (local); None: the
-    # engine's default.
-    max_inflight: int | None = None
+    # Requests in flight per server (sglang), or the batch size (local); "auto" (sglang
+    # only) lets each server's /metrics steer it; None: the engine's default (sglang: auto).
+    max_inflight: int | Literal["auto"] | None = None
+    # The most `auto` keeps in flight on one server.
+    max_inflight_cap: int = defaults.MAX_INFLIGHT_CAP
     request_timeout_s: float = defaults.REQUEST_TIMEOUT_S
     trust_remote_code: bool = False
     device: str = defaults.DEVICE
@@ -37,13 +41,18 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     if name == "sglang":
         if not options.servers:
             raise ValueError("--engine sglang needs at least one --server URL")
+        from regen.consumers.generate.engines.admission import AdmissionPolicy
         from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 
+        auto = options.max_inflight in (None, AUTO)
         return SGLangHTTPEngine(
             options.servers,
-            max_inflight_per_server=options.max_inflight or defaults.MAX_INFLIGHT_PER_SERVER,
+            max_inflight_per_server=_fixed(options, defaults.MAX_INFLIGHT_PER_SERVER),
+            admission=AdmissionPolicy(cap=options.max_inflight_cap) if auto else None,
             request_timeout_s=options.request_timeout_s,
         )
+    if options.max_inflight == AUTO:
+        raise ValueError("--max-inflight auto needs --engine sglang (it reads servers' /metrics)")
     if name == "local":
         if options.model is None:
             raise ValueError("--engine local needs a model (the job's, or --model)")
@@ -52,7 +61,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
         return LocalEngine(
             options.model,
             device=options.device,
-            max_batch_size=options.max_inflight or defaults.LOCAL_BATCH_SIZE,
+            max_batch_size=_fixed(options, defaults.LOCAL_BATCH_SIZE),
             trust_remote_code=options.trust_remote_code,
         )
     if name == "sglang-engine":
@@ -64,7 +73,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
             options.model,
             tp_size=options.tp_size,
             trust_remote_code=options.trust_remote_code,
-            max_inflight=options.max_inflight or defaults.MAX_INFLIGHT_PER_SERVER,
+            max_inflight=_fixed(options, defaults.MAX_INFLIGHT_PER_SERVER),
             server_args=options.sglang_args,
         )
     if ":" in name:
@@ -75,3 +84,8 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     raise ValueError(
         f"unknown engine {name!r}: use one of {', '.join(BUILTIN)} or package.module:factory"
     )
+
+
+def _fixed(options: EngineOptions, default: int) -> int:
+    """The fixed in-flight limit (or batch size) asked for, else `default`."""
+    return options.max_inflight if isinstance(options.max_inflight, int) else default

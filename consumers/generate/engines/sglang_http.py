@@ -19,6 +19,8 @@ import orjson
 from regen.common import defaults
 from regen.common.backoff import Backoff
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
+from regen.consumers.generate.engines.admission import AdmissionPolicy
+from regen.consumers.generate.engines.sglang_admission import AdmissionPoller
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import (
     Failure,
@@ -50,6 +52,8 @@ class SGLangHTTPEngine:
         servers: list[str],
         *,
         max_inflight_per_server: int = defaults.MAX_INFLIGHT_PER_SERVER,
+        admission: AdmissionPolicy | None = None,
+        admission_poll_s: float = defaults.ADMISSION_POLL_S,
         request_timeout_s: float = defaults.REQUEST_TIMEOUT_S,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
@@ -72,6 +76,9 @@ class SGLangHTTPEngine:
         failing would only send the chunk round Celery's retries and burn its attempt cap.
         A worker that gives a chunk back after a while (settle.GIVE_BACK_AFTER_S) passes
         `deadline` instead.
+
+        `admission`: `--max-inflight auto`, each server's limit steered by its /metrics
+        (sglang_admission); None keeps `max_inflight_per_server` fixed.
         """
         self._pool = ServerPool(
             servers,
@@ -101,6 +108,13 @@ class SGLangHTTPEngine:
             s: {"Authorization": s.auth.encode()} if s.auth else bearer for s in self._pool.servers
         }
         self._http: aiohttp.ClientSession | None = None
+        self._admission = (
+            None
+            if admission is None
+            else AdmissionPoller(
+                self._pool, admission, self._fetch_metrics, interval_s=admission_poll_s
+            )
+        )
 
     async def __aenter__(self) -> SGLangHTTPEngine:
         return self
@@ -113,7 +127,7 @@ class SGLangHTTPEngine:
         self, request: GenerateRequest, *, deadline: float | None = None
     ) -> GenerateResult:
         """Complete one prompt, retrying through outages; `deadline` is time.monotonic()."""
-        self._pool.start()
+        self._start()
         if deadline is None and self._give_up_after_s is not None:
             deadline = time.monotonic() + self._give_up_after_s
         failures = bad = disconnects = 0
@@ -159,7 +173,7 @@ class SGLangHTTPEngine:
         nothing; only a server never probed yet is probed first (SGLang's
         /health_generate takes a second or more).
         """
-        self._pool.start()
+        self._start()
         await self._pool.probe_unprobed()
         return bool(self._pool.healthy())
 
@@ -174,10 +188,17 @@ class SGLangHTTPEngine:
         }
 
     async def close(self) -> None:
+        if self._admission is not None:
+            await self._admission.close()
         await self._pool.close()
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+    def _start(self) -> None:
+        self._pool.start()
+        if self._admission is not None:
+            self._admission.start()
 
     # --- helpers for the worker ----------------------------------------------------------
     def healthy_servers(self) -> list[str]:
@@ -186,6 +207,7 @@ class SGLangHTTPEngine:
 
     async def wait_until_healthy(self, timeout: float | None = None) -> bool:
         """Wait until a server is healthy; False if `timeout` seconds pass first."""
+        self._start()
         return await self._pool.wait_until_healthy(timeout)
 
     # --- one attempt ---------------------------------------------------------------------
@@ -258,6 +280,14 @@ class SGLangHTTPEngine:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+    async def _fetch_metrics(self, server: ServerState) -> tuple[int, bytes]:
+        async with self._session().get(
+            server.url + "/metrics",
+            headers=self._auth_headers[server],
+            timeout=self._health_timeout,
+        ) as response:
+            return response.status, await response.read()
 
     def _describe(self) -> str:
         return "; ".join(f"{s.label}: {s.last_error or 'no error'}" for s in self._pool.servers)

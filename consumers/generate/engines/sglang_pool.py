@@ -1,7 +1,8 @@
 """The SGLang servers one engine spreads its requests over, and what it knows about each.
 
 A server is routable when its last health probe passed, it is not backing off after an
-overload (HTTP 503), and it has a free in-flight slot; among those the least loaded wins.
+overload (HTTP 503), and it has a free in-flight slot under its limit (fixed, or moved
+by `--max-inflight auto`: sglang_admission.py); among those the least loaded wins.
 A request failure marks a server down at once, and its watcher re-probes it right away,
 then with growing delays: routing never waits for a timer to find out a server died,
 and a restarted server is back within one probe.
@@ -50,6 +51,15 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         waiter.cancel()
 
 
+async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel background tasks and wait until each has stopped."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def split_credentials(url: str) -> tuple[str, str, aiohttp.BasicAuth | None]:
     """(URL to request, label for logs and stats, auth) for a server URL.
 
@@ -72,8 +82,9 @@ def split_credentials(url: str) -> tuple[str, str, aiohttp.BasicAuth | None]:
 class ServerState:
     url: str
     label: str
-    cap: int
+    cap: int  # the in-flight limit
     auth: aiohttp.BasicAuth | None = None
+    limit_reason: str = "fixed: --max-inflight"
     healthy: bool = False
     probed: bool = False
     inflight: int = 0
@@ -115,6 +126,7 @@ class ServerState:
             "probed": self.probed,
             "inflight": self.inflight,
             "max_inflight": self.cap,
+            "limit_reason": self.limit_reason,
             "completed": self.completed,
             "failures_by_kind": dict(self.failures),
             "last_error": self.last_error,
@@ -172,11 +184,7 @@ class ServerPool:
             self._watchers = [asyncio.create_task(self._watch(s)) for s in self.servers]
 
     async def close(self) -> None:
-        for task in self._watchers:
-            task.cancel()
-        for task in self._watchers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._watchers)
 
     def healthy(self) -> list[ServerState]:
         return [s for s in self.servers if s.healthy]
@@ -203,6 +211,11 @@ class ServerPool:
                 wake.append(deadline)
             timeout = max(0.0, min(wake) - now) if wake else None
             await wait_event(changed, timeout)
+
+    def set_limit(self, server: ServerState, limit: int, reason: str) -> None:
+        """Move a server's in-flight limit; a lower one drains as requests finish."""
+        server.cap, server.limit_reason = limit, reason
+        self._notify()
 
     def _choose(self, candidates: list[ServerState], affinity: str | None) -> ServerState:
         """The key's last server among the routable `candidates`, else the least loaded;
