@@ -43,8 +43,12 @@ class GeneratedResult:
     # The OpenAI tools the prompt was rendered with; None without (and in older results).
     tools: list[dict[str, Any]] | None = None
 
+    def encode(self) -> bytes:
+        """The stream entry's one field value (FIELD)."""
+        return orjson.dumps(asdict(self))
+
     def to_fields(self) -> dict[bytes, bytes]:
-        return {FIELD: orjson.dumps(asdict(self))}
+        return {FIELD: self.encode()}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> GeneratedResult:
