@@ -18,7 +18,7 @@ seconds per prompt do not. Run from the repository root:
     python bench/cpu_per_prompt.py [--prompts 20000] [--py-spy DIR]
 
 `--py-spy DIR` also samples each stage with py-spy (on PATH) into DIR/STAGE.txt,
-collapsed stacks of busy threads, for finding where the CPU goes.
+collapsed stacks of the threads holding the GIL (where Python spends CPU).
 
 The target is <= 1 ms summed over the stages.
 """
@@ -92,7 +92,7 @@ class Stage:
         """py-spy samples it until it exits (or is stopped) into `profile`."""
         subprocess.Popen(
             ["py-spy", "record", "--pid", str(self.popen.pid), "--format", "raw",
-             "--nonblocking", "--output", str(profile)],
+             "--nonblocking", "--gil", "--output", str(profile)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 

@@ -12,7 +12,7 @@ for each of its turns' ids: `accounted_ids` are what the job's bookkeeping count
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from regen.common.conversation import Conversation
@@ -38,9 +38,13 @@ class ChunkPrompt:
         return [self.id] if self.conversation is None else self.conversation.turn_ids()
 
     def to_payload(self) -> dict[str, Any]:
-        payload = asdict(self)
+        # A shallow copy, serialized at once: asdict's deep copy of the ids and messages
+        # showed in the producer's profile.
+        payload = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.conversation is None:
             del payload["conversation"]  # plain prompts travel as they always have
+        else:
+            payload["conversation"] = self.conversation.to_dict()
         return payload
 
     @classmethod
