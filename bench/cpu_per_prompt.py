@@ -150,6 +150,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
 
             wait_until(warmed, "the warm-up job")
             measure(args, tmp, env, url, r, workers)
+            print(f"  stand-in: {server.stats()['connections_total']} connections opened")
         finally:
             for stage in workers.values():
                 stage.stop()
