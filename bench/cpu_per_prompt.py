@@ -92,7 +92,7 @@ class Stage:
         """py-spy samples it until it exits (or is stopped) into `profile`."""
         subprocess.Popen(
             ["py-spy", "record", "--pid", str(self.popen.pid), "--format", "raw",
-             "--nonblocking", "--gil", "--output", str(profile)],
+             "--nonblocking", "--gil", "--threads", "--output", str(profile)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 

@@ -179,8 +179,18 @@ def render_conversation_ids(
     Some templates (chatml) end every turn with a newline the model never generates, so
     a record's ids are a prefix of this rendering rather than equal to it.
     """
-    text = _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=False)
+    text = render_conversation_text(tokenizer, messages, template_kwargs, tools)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_conversation_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """The text `render_conversation_ids` tokenizes."""
+    return _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=False)
 
 
 def _render(
