@@ -48,6 +48,8 @@ def cut_ids(tokenizer: Any) -> frozenset[int]:
 
 def _encodes_piecewise(tokenizer: Any) -> bool:
     backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:
+        return False
     normalizer = backend.normalizer
     if (None if normalizer is None else type(normalizer).__name__) not in _PIECEWISE_NORMALIZERS:
         return False
@@ -104,12 +106,13 @@ def _matches_after_cut(
     cut = next((i + 1 for i in range(n_prompt - 1, -1, -1) if input_ids[i] in cuts), 0)
     if not cut:
         return False
-    head = tokenizer.decode(
-        input_ids[:cut], skip_special_tokens=False, clean_up_tokenization_spaces=False
-    )
+    # The `tokenizers` pipeline itself, as transformers' encode and decode call it (no
+    # truncation or padding: cut_ids checked), without their per-call overhead.
+    backend = tokenizer.backend_tokenizer
+    head = backend.decode(input_ids[:cut], skip_special_tokens=False)
     if not text.startswith(head):
         return False
-    rest = tokenizer.encode(text[len(head) :], add_special_tokens=False)
+    rest = backend.encode(text[len(head) :], add_special_tokens=False).ids
     return bool(rest[: len(input_ids) - cut] == input_ids[cut:])
 
 
