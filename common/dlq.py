@@ -109,22 +109,6 @@ def count(r: redis.Redis, job: str, stage: str) -> int:
     return int(r.hlen(keys.dlq(job, stage)))
 
 
-def dead_lettered(r: redis.Redis, job: str, prompt_ids: list[str]) -> list[bool]:
-    """Whether each prompt id has a dead letter in a stage of the job, or was purged
-    (a purged prompt's last place)."""
-    if not prompt_ids:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for stage in keys.STAGES:
-        pipe.hmget(keys.dlq(job, stage), prompt_ids)
-    pipe.smismember(keys.dlq_purged(job), prompt_ids)
-    *stages, purged = pipe.execute()
-    return [
-        bool(gone) or any(letters[i] is not None for letters in stages)
-        for i, gone in enumerate(purged)
-    ]
-
-
 def select(r: redis.Redis, selection: Selection) -> Iterator[DeadLetter]:
     """Every selected entry, job by job and stage by stage (each in no set order)."""
     for job in selection.jobs:

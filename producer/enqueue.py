@@ -27,8 +27,8 @@ from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.queues import waiting_chunks
-from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.conversations import job_prompt
+from regen.producer.known import Known, KnownIds
 from regen.producer.publish import ChunkPublisher
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, Reason
@@ -87,7 +87,7 @@ class Enqueuer:
         self._job = job
         self._spec = job.spec
         self._publisher = ChunkPublisher(app, r, self._spec.name, self._spec.queue)
-        self._ledger = CommitLedger(r, self._spec.name)
+        self._known = KnownIds(r, self._spec.name)
         self._high_water = high_water
         self._on_progress = on_progress
         self._token_limit = self._spec.prompt_token_limit()
@@ -208,37 +208,21 @@ class Enqueuer:
 
     def _drop_known(self, buffer: list[_Pending]) -> list[_Pending]:
         """Drop prompts already in the job or earlier in this buffer (exact duplicates),
-        and those already settled though Redis lost them from the job's ids."""
-        if not buffer:
-            return []
+        and those already settled though Redis lost them from the job's ids (after
+        `regen recover`: they are put back among the job's ids, so every place they are
+        in counts them, and are not queued again)."""
         ids = [item.id for item in buffer]
-        known = self._r.smismember(keys.job_ids(self._spec.name), ids)
-        settled = self._settled([pid for pid, is_in in zip(ids, known, strict=True) if not is_in])
         seen: set[str] = set()
         fresh = []
-        for item, pid, is_known in zip(buffer, ids, known, strict=True):
-            if is_known or pid in seen:
+        for item, pid, known in zip(buffer, ids, self._known.lookup(ids), strict=True):
+            if known is Known.IN_JOB or pid in seen:
                 self.stats.duplicates += 1
-            elif pid in settled:
+            elif known is Known.SETTLED:
                 self.stats.already_settled += 1
             else:
                 fresh.append(item)
             seen.add(pid)
         return fresh
-
-    def _settled(self, ids: list[str]) -> set[str]:
-        """Of ids not in the job's id set, those committed to a shard or dead-lettered
-        (after `regen recover`); they are put back into the job's ids, so every place
-        they are in counts them, and are not queued again."""
-        committed = self._ledger.owner_of(ids)
-        dead = dlq.dead_lettered(self._r, self._spec.name, ids)
-        settled = [
-            pid for pid, shard, is_dead in zip(ids, committed, dead, strict=True)
-            if shard is not None or is_dead
-        ]  # fmt: skip
-        if settled:
-            self._r.sadd(keys.job_ids(self._spec.name), *settled)
-        return set(settled)
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
         messages, tools = item.prompt.messages, item.prompt.tools
