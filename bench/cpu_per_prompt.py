@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,11 +41,19 @@ import redis
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from regen.common import keys  # noqa: E402
+from regen.common import defaults, keys  # noqa: E402
+from tests.generate_harness import Worker  # noqa: E402
 from tests.redis_server import running_redis  # noqa: E402
 from tests.sglang_standin.process import run_standin  # noqa: E402
 
 WARMUP_PROMPTS = 128
+# The workers run with regen's own lease and sweep settings, not the tests' short ones.
+PRODUCT_SETTINGS = {
+    "REGEN_VISIBILITY_TIMEOUT": str(defaults.VISIBILITY_TIMEOUT_S),
+    "REGEN_RESTORE_INTERVAL": str(defaults.UNACKED_RESTORE_INTERVAL_S),
+    "REGEN_RESTORE_THROTTLE": str(defaults.UNACKED_RESTORE_THROTTLE),
+    "HF_HUB_OFFLINE": "1",
+}
 TIMEOUT_S = 1800.0
 
 
@@ -77,15 +84,11 @@ def write_rows(path: Path, n: int, tag: str) -> Path:
 
 
 class Stage:
-    """A regen subprocess, its log in a file."""
+    """A regen process being measured, its log in a file."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        with log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "regen", *args],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        self.process = psutil.Process(self.popen.pid)
+    def __init__(self, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.popen = popen
+        self.process = psutil.Process(popen.pid)
         self.log = log
 
     def sample(self, profile: Path) -> None:
@@ -103,23 +106,17 @@ class Stage:
         if self.popen.poll() is not None:
             raise RuntimeError(f"{self.log.name} exited:\n{self.log.read_text()[-3000:]}")
 
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
 
-
-def enqueue(url: str, rows: Path, job: str, env: dict[str, str], log: Path) -> Stage:
-    return Stage(["enqueue", str(rows), "--job", job, "--model", "smollm2",
-                  "--redis-url", url], env, log)  # fmt: skip
+def enqueue(url: str, rows: Path, job: str, log: Path) -> Stage:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "regen", "enqueue", str(rows), "--job", job,
+               "--model", "smollm2", "--redis-url", url]  # fmt: skip
+    with log.open("ab") as out:
+        popen = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Stage(popen, log)
 
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     with (
         running_redis(tmp / "redis") as redis_server,
         run_standin(
@@ -127,39 +124,33 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             decode_tokens_per_s=0.0,
             output_len_dist=f"fixed:n={args.output_tokens}",
         ) as server,
-    ):
+        Worker(redis_server.url, tmp, "--engine", "sglang", "--server", server.url,
+               env=PRODUCT_SETTINGS) as generate,
+        Worker(redis_server.url, tmp, "--out", str(tmp / "out"), "--idle-commit", "0.5",
+               env=PRODUCT_SETTINGS, kind="tokenize") as tokenize,
+    ):  # fmt: skip
         url = redis_server.url
         r = redis.Redis.from_url(url)
-        workers = {
-            "generate": Stage(["worker", "generate", "--engine", "sglang", "--server",
-                               server.url, "--redis-url", url], env, tmp / "generate.log"),
-            "tokenize": Stage(["worker", "tokenize", "--out", str(tmp / "out"),
-                               "--idle-commit", "0.5", "--redis-url", url],
-                              env, tmp / "tokenize.log"),
-        }  # fmt: skip
-        try:
-            # A warm-up job: both workers have found jobs and loaded the tokenizer.
-            warm = enqueue(url, write_rows(tmp / "warm.jsonl", WARMUP_PROMPTS, "Warm-up"),
-                           "warmup", env, tmp / "warmup.log")  # fmt: skip
-            warm.popen.wait()
+        workers = {worker.kind: Stage(worker.process, worker.log_path)
+                   for worker in (generate, tokenize)}  # fmt: skip
+        # A warm-up job: both workers have found jobs and loaded the tokenizer.
+        warm = enqueue(url, write_rows(tmp / "warm.jsonl", WARMUP_PROMPTS, "Warm-up"),
+                       "warmup", tmp / "warmup.log")  # fmt: skip
+        warm.popen.wait()
 
-            def warmed() -> bool:
-                for stage in workers.values():
-                    stage.check_alive()
-                return committed(r, "warmup") == WARMUP_PROMPTS
-
-            wait_until(warmed, "the warm-up job")
-            measure(args, tmp, env, url, r, workers)
-            print(f"  stand-in: {server.stats()['connections_total']} connections opened")
-        finally:
+        def warmed() -> bool:
             for stage in workers.values():
-                stage.stop()
+                stage.check_alive()
+            return committed(r, "warmup") == WARMUP_PROMPTS
+
+        wait_until(warmed, "the warm-up job")
+        measure(args, tmp, url, r, workers)
+        print(f"  stand-in: {server.stats()['connections_total']} connections opened")
 
 
 def measure(
     args: argparse.Namespace,
     tmp: Path,
-    env: dict[str, str],
     url: str,
     r: redis.Redis,
     workers: dict[str, Stage],
@@ -168,7 +159,7 @@ def measure(
     job = "bench"
     before = {name: stage.cpu() for name, stage in workers.items()}
     started = time.monotonic()
-    producer = enqueue(url, rows, job, env, tmp / "enqueue.log")
+    producer = enqueue(url, rows, job, tmp / "enqueue.log")
     if args.py_spy is not None:
         args.py_spy.mkdir(parents=True, exist_ok=True)
         for name, stage in {"producer": producer, **workers}.items():
