@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from regen.common.chat_family import render_conversation_text
+from regen.common.chat_family import encode_text, pipeline, render_conversation_text
 
 # A tokenizer (`tokenizers` library) whose pipeline encodes the text between added tokens
 # piece by piece, each piece alike wherever it stands: no normalizer, or NFC (per piece),
@@ -33,7 +33,8 @@ def cut_ids(tokenizer: Any) -> frozenset[int]:
     must encode pieces on their own (above), and each token must be matched wherever its
     text stands: not stripping or grabbing neighbouring text, not matched after
     normalization, and not part of a longer added token that could run on past it."""
-    if not getattr(tokenizer, "is_fast", False) or not _encodes_piecewise(tokenizer):
+    backend = pipeline(tokenizer)
+    if backend is None or not _encodes_piecewise(backend):
         return frozenset()
     added = tokenizer.added_tokens_decoder
     contents = [token.content for token in added.values()]
@@ -46,10 +47,7 @@ def cut_ids(tokenizer: Any) -> frozenset[int]:
     )
 
 
-def _encodes_piecewise(tokenizer: Any) -> bool:
-    backend = tokenizer.backend_tokenizer
-    if backend.truncation is not None or backend.padding is not None:
-        return False
+def _encodes_piecewise(backend: Any) -> bool:
     normalizer = backend.normalizer
     if (None if normalizer is None else type(normalizer).__name__) not in _PIECEWISE_NORMALIZERS:
         return False
@@ -91,7 +89,7 @@ def drift_at(
     text = render_conversation_text(tokenizer, messages, template_kwargs, tools)
     if _matches_after_cut(tokenizer, cuts, text, input_ids, n_prompt):
         return None
-    rendered = tokenizer.encode(text, add_special_tokens=False)
+    rendered = encode_text(tokenizer, text)
     n = len(input_ids)
     if rendered[:n] == input_ids:  # compared in C
         return None
@@ -104,11 +102,9 @@ def _matches_after_cut(
     """True when `text` starts with the prompt's text up to its last cut token and
     tokenizes, after it, to the rest of input_ids; False also when undecided."""
     cut = next((i + 1 for i in range(n_prompt - 1, -1, -1) if input_ids[i] in cuts), 0)
-    if not cut:
+    backend = pipeline(tokenizer)  # decodes and encodes as transformers would
+    if not cut or backend is None:  # None: its settings changed since cut_ids looked
         return False
-    # The `tokenizers` pipeline itself, as transformers' encode and decode call it (no
-    # truncation or padding: cut_ids checked), without their per-call overhead.
-    backend = tokenizer.backend_tokenizer
     head = backend.decode(input_ids[:cut], skip_special_tokens=False)
     if not text.startswith(head):
         return False
