@@ -164,7 +164,33 @@ def render_prompt_ids(
     """The prompt ids as SGLang's chat path would send them, ending in the generation
     prompt; `tools` are the OpenAI tools the conversation may call."""
     text = _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, text)
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, as SGLang's chat path calls it,
+    through the `tokenizers` pipeline itself where that gives the same ids (`pipeline`)
+    without transformers' per-call overhead, a good part of a short prompt's cost."""
+    backend = pipeline(tokenizer)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+    return ids
+
+
+def pipeline(tokenizer: PreTrainedTokenizerBase) -> Any | None:
+    """The `tokenizers` pipeline of a fast tokenizer when calling it directly encodes and
+    decodes as transformers does: no truncation or padding set (transformers' encode
+    clears them) and special tokens matched as tokens (transformers sets the pipeline's
+    `encode_special_tokens` from `split_special_tokens` at each call); else None."""
+    if not getattr(tokenizer, "is_fast", False) or getattr(
+        tokenizer, "split_special_tokens", False
+    ):
+        return None
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    return None if backend.encode_special_tokens else backend
 
 
 def render_conversation_ids(
@@ -179,8 +205,18 @@ def render_conversation_ids(
     Some templates (chatml) end every turn with a newline the model never generates, so
     a record's ids are a prefix of this rendering rather than equal to it.
     """
-    text = _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    text = render_conversation_text(tokenizer, messages, template_kwargs, tools)
+    return encode_text(tokenizer, text)
+
+
+def render_conversation_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """The text `render_conversation_ids` tokenizes."""
+    return _render(tokenizer, messages, template_kwargs, tools, add_generation_prompt=False)
 
 
 def _render(

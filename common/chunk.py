@@ -12,7 +12,7 @@ for each of its turns' ids: `accounted_ids` are what the job's bookkeeping count
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from regen.common.conversation import Conversation
@@ -38,9 +38,13 @@ class ChunkPrompt:
         return [self.id] if self.conversation is None else self.conversation.turn_ids()
 
     def to_payload(self) -> dict[str, Any]:
-        payload = asdict(self)
+        # A shallow copy, serialized at once: asdict's deep copy of the ids and messages
+        # showed in the producer's profile.
+        payload = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.conversation is None:
             del payload["conversation"]  # plain prompts travel as they always have
+        else:
+            payload["conversation"] = self.conversation.to_dict()
         return payload
 
     @classmethod
@@ -88,12 +92,13 @@ class Chunk:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed chunk payload: {exc}") from exc
-        # Anyone can push to a queue: check the types a worker would trip on later.
+        # Anyone can push to a queue: check the types a worker would trip on later (the
+        # ids' types are collected in C: a generator showed in the worker's profile).
         if not isinstance(chunk.job, str) or not isinstance(chunk.chunk_id, str):
             raise ValueError("malformed chunk payload: job and chunk are not strings")
         for p in chunk.prompts:
             if not (isinstance(p.id, str) and isinstance(p.messages, list)
                     and isinstance(p.prompt_ids, list)
-                    and all(type(t) is int for t in p.prompt_ids)):  # fmt: skip
+                    and set(map(type, p.prompt_ids)) <= {int}):  # fmt: skip
                 raise ValueError(f"malformed chunk payload: prompt {p.id!r} is not a prompt")
         return chunk

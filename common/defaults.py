@@ -62,6 +62,8 @@ CHUNK_STATE_TTL_S = 8 * 3600
 MAX_CHUNKS_HELD = 64
 # A chunk delivered more times than this (its worker died each time) is dead-lettered.
 MAX_CHUNK_ATTEMPTS = 3
+# Results a generate worker hands off in one script (one Redis round trip), at most.
+HAND_OFF_BATCH = 64
 
 # --- the generate worker -----------------------------------------------------------
 # Engine of `regen worker generate`: SGLang servers over HTTP.

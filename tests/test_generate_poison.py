@@ -183,6 +183,23 @@ def test_the_filter_passes_chunks_and_names_what_is_wrong_with_the_rest(
     assert task_ids == {"t1"}
 
 
+def test_the_screen_judges_json_beyond_the_standard_as_kombu_does(
+    redis_url: str, r: redis.Redis
+) -> None:
+    """The screen decodes with orjson, which refuses NaN and reads an integer past 64
+    bits as a float; kombu's json module reads both, so kombu's verdict stands."""
+    queue = keys.generate_queue("g")
+    prompt = ChunkPrompt("p1", [1, 2**70], [{"role": "user"}], {})
+    payload = {**Chunk("g", "c1", [prompt]).to_payload(), "sampling": {"x": float("nan")}}
+    queue_of = {"g": queue}.get
+    assert poison.inspect(chunk_message(r, redis_url, queue, payload), queue, queue_of) is None
+    # An object kombu's hook cannot turn into a value fails kombu's decoding: poison.
+    typed = {"__type__": "no-such-type", "__value__": 1}
+    bad = Chunk("g", "c1", [ChunkPrompt("p1", [1], [typed], {})]).to_payload()
+    verdict = poison.inspect(chunk_message(r, redis_url, queue, bad), queue, queue_of)
+    assert verdict is not None and verdict.reason == "not_a_task_message"
+
+
 def test_a_poison_message_is_dead_lettered_once_raw_and_bounded(r: redis.Redis) -> None:
     screen = poison.PoisonFilter(r, "gpu-host:1")
     queue = keys.generate_queue("g")

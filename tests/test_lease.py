@@ -127,3 +127,29 @@ def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis
     # its next delivery.
     assert not r.exists(done.generated_key) and r.exists(returned.generated_key)
     assert book.take_settled(TAG) and book.take_settled("other")
+
+
+def test_a_batch_hand_off_writes_each_result_with_its_mark_once(r: redis.Redis) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    stream = keys.results_stream("j")
+    assert lease.hand_off(r, stream, [("p1", b"one"), ("p2", b"two")]) == [True, True]
+    # A retry after a lost reply, with one more result: only the new one is written.
+    assert lease.hand_off(r, stream, [("p2", b"two"), ("p3", b"three")]) == [False, True]
+    assert [fields[b"r"] for _, fields in r.xrange(stream)] == [b"one", b"two", b"three"]
+    assert r.smembers(lease.generated_key) == {b"p1", b"p2", b"p3"}
+    assert r.ttl(lease.generated_key) > 0
+
+
+@pytest.mark.parametrize("how", ["redelivered", "restored"])
+def test_a_lost_lease_hands_off_nothing(r: redis.Redis, how: str) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    if how == "redelivered":
+        LeaseBook(r).start("j", "c1", TAG, "w2")
+    else:
+        r.zrem(keys.KOMBU_UNACKED_INDEX, TAG)  # kombu's sweep restored it
+    with pytest.raises(LeaseLost):
+        lease.hand_off(r, keys.results_stream("j"), [("p1", b"one")])
+    assert lease.lost.is_set()
+    assert r.xlen(keys.results_stream("j")) == 0 and not r.exists(lease.generated_key)

@@ -3,6 +3,7 @@ fixture through transformers' remote code. Nothing here is mocked."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -18,6 +19,8 @@ from regen.common.chat_family import (
     ChatTemplateError,
     ThinkState,
     detect_family,
+    encode_text,
+    pipeline,
     prompt_opens_think,
     render_conversation_ids,
     render_prompt_ids,
@@ -539,3 +542,17 @@ def test_disk_cache_entry_that_no_longer_matches_is_ignored(
     assert read_cache(copy) is not None
     (copy / CACHE_MARKER).write_text(json.dumps({"fingerprint": "something-else"}))
     assert read_cache(copy) is None
+
+
+def test_encoding_through_the_pipeline_gives_transformers_ids(kimi_tokenizer: Any) -> None:
+    smollm2 = load_tokenizer("smollm2")
+    texts = ["", "Hello, world!", "<|im_start|>user\nCafé  日本\t<|im_end|>\n", " x  y "]
+    for tokenizer in (smollm2, kimi_tokenizer):
+        for text in texts:
+            assert encode_text(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
+    assert pipeline(smollm2) is smollm2.backend_tokenizer
+    assert pipeline(kimi_tokenizer) is None  # not a `tokenizers` pipeline
+    splitting = copy.deepcopy(smollm2)
+    splitting.split_special_tokens = True  # special tokens' text is tokenized as text
+    assert pipeline(splitting) is None
+    assert encode_text(splitting, texts[2]) == splitting.encode(texts[2], add_special_tokens=False)

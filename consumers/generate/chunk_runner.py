@@ -1,8 +1,9 @@
 """Run one chunk: generate every prompt, hand each result to the tokenize stage, and
 dead-letter what a healthy engine refuses.
 
-Each result is handed off (XADD on the job's results stream) in the same transaction
-that marks the prompt generated for this chunk, so a redelivered chunk (its worker died,
+Each result is handed off (XADD on the job's results stream) in the same script that
+marks the prompt generated for this chunk (the results finished by then go together,
+one round trip), so a redelivered chunk (its worker died,
 or was frozen past its lease) skips the prompts already handed off. Every such write
 checks, in its transaction, that this delivery still holds the chunk's lease (lease.py):
 a worker that lost it drops its results. The delivery is acknowledged only after every
@@ -13,17 +14,18 @@ settled once by its own hand-off script.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import socket
 import threading
 import time
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import redis
-from redis.typing import EncodableT, FieldT
 
 from regen.common import defaults, jobspec, keys
 from regen.common.chunk import Chunk, ChunkPrompt
@@ -40,7 +42,6 @@ from regen.consumers.generate.settle import (
     dead_letter,
     generate_with_retry,
     generated_result,
-    mark_generated,
 )
 from regen.consumers.generate.turns import dead_letter_conversation, run_conversations
 
@@ -140,23 +141,25 @@ def _hand_off(
     ctx: ChunkContext,
     lease: ChunkLease,
     chunk: Chunk,
-    prompt: ChunkPrompt,
-    result: GenerateResult,
+    completed: list[tuple[ChunkPrompt, GenerateResult]],
     sampling: dict[str, Any],
 ) -> None:
-    generated = generated_result(
-        chunk, prompt, result, worker=ctx.worker, attempt=lease.attempt, sampling=sampling
-    )
-    # A dict[bytes, bytes] is a valid fields mapping; the stub's dict type is invariant.
-    fields = cast("dict[FieldT, EncodableT]", generated.to_fields())
-
-    def fill(pipe: redis.client.Pipeline) -> None:  # the result and its mark land together
-        pipe.xadd(keys.results_stream(chunk.job), fields)
-        mark_generated(pipe, chunk, prompt.id)
-
-    if lease.write(ctx.redis, fill, prompt_id=prompt.id):
-        ctx.tokens.add(result.completion_tokens)
-        ctx.prompts.add()
+    """Hand completed prompts to the tokenize stage, each result with its mark, in
+    batches of one script each (lease.py)."""
+    stream = keys.results_stream(chunk.job)
+    for start in range(0, len(completed), defaults.HAND_OFF_BATCH):
+        batch = completed[start : start + defaults.HAND_OFF_BATCH]
+        encoded = [
+            (prompt.id, generated_result(chunk, prompt, result, worker=ctx.worker,
+                                         attempt=lease.attempt, sampling=sampling).encode())
+            for prompt, result in batch
+        ]  # fmt: skip
+        for (_, result), fresh in zip(
+            batch, lease.hand_off(ctx.redis, stream, encoded), strict=True
+        ):
+            if fresh:
+                ctx.tokens.add(result.completion_tokens)
+                ctx.prompts.add()
 
 
 def _reject(
@@ -266,20 +269,30 @@ def _generate_all(
 
     lease.on_lost(stop_prompts)
     generated = rejected = 0
+    # Futures arrive here as they finish: waiting costs O(1) per prompt (a wait() on all
+    # the running ones, per wake-up, would cost O(running)).
+    finishing: queue.SimpleQueue[Future[GenerateResult]] = queue.SimpleQueue()
+    for future in futures:
+        future.add_done_callback(finishing.put)
+    left = len(futures)
     try:
-        for future in as_completed(futures):
+        while left:
+            # Every prompt finished by now is handed off together: one round trip.
+            finished = _take_finished(finishing)
+            left -= len(finished)
             if lease.lost.is_set():
                 raise LeaseLost("another delivery holds the chunk")
-            prompt = futures[future]
-            ctx.count_inflight(-1)
-            try:
-                result = future.result()
-            except PromptRejected as exc:
-                _reject(ctx, lease, chunk, prompt, exc)
-                rejected += 1
-                continue
-            _hand_off(ctx, lease, chunk, prompt, result, sampling)
-            generated += 1
+            ctx.count_inflight(-len(finished))
+            completed = []
+            for future in finished:
+                prompt = futures[future]
+                try:
+                    completed.append((prompt, future.result()))
+                except PromptRejected as exc:
+                    _reject(ctx, lease, chunk, prompt, exc)
+                    rejected += 1
+            _hand_off(ctx, lease, chunk, completed, sampling)
+            generated += len(completed)
     except BaseException:
         # Leaving early (shutdown, lost lease, Redis out of reach): stop the prompts still
         # running so the engine's capacity goes to the next chunk.
@@ -288,3 +301,14 @@ def _generate_all(
                 ctx.count_inflight(-1)
         raise
     return generated, rejected
+
+
+def _take_finished(
+    finishing: queue.SimpleQueue[Future[GenerateResult]],
+) -> list[Future[GenerateResult]]:
+    """The next future to finish, and every other one finished by then."""
+    finished = [finishing.get()]
+    with contextlib.suppress(queue.Empty):
+        while True:
+            finished.append(finishing.get_nowait())
+    return finished

@@ -9,9 +9,10 @@ one lease after its last beat.
 
 A worker holds a chunk while (a) its attempt is the chunk's latest (every delivery that
 starts appends one) and (b) the delivery is still in `unacked_index` (not restored to the
-queue). Every write a chunk makes checks both inside the transaction that writes,
-watching the attempts list, so a worker frozen past its lease that comes back writes
-nothing for a chunk another delivery took. The worker settles each delivery itself, in
+queue). Every write a chunk makes checks both inside the transaction that writes
+(watching the attempts list; a hand-off of results checks them in its script), so a
+worker frozen past its lease that comes back writes nothing for a chunk another delivery
+took. The worker settles each delivery itself, in
 the same kind of transaction: done removes it from kombu's keys, a give-back sets its
 score to 0 so the next sweep restores it, and a lost lease touches nothing (the delivery
 belongs to whoever holds it now). Celery then only updates its local count of held
@@ -25,6 +26,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import TypeVar
 
 import orjson
 import redis
@@ -32,12 +34,14 @@ import redis
 from regen.common import defaults, keys, settings
 from regen.common.backoff import Backoff
 from regen.common.connection import OUTAGE_ERRORS
+from regen.common.results import FIELD as RESULT_FIELD
 
 log = logging.getLogger("regen.generate")
 # Waits between tries of a write while Redis is unreachable.
 REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 
 Attempt = dict[str, object]
+T = TypeVar("T")
 
 # KEYS: unacked_index, then per lease its attempts list and generated set.
 # ARGV: now, state TTL, then per lease its delivery tag ('' = none) and attempt index.
@@ -78,6 +82,31 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 if acked == 1 then redis.call('DEL', KEYS[3]) end
 return acked
 """
+
+# KEYS: attempts list, unacked_index, generated set, results stream.
+# ARGV: attempt index, delivery tag ('' = none), state TTL, the stream's field name, then
+# per result its prompt id and its encoded result.
+# The lease check of `ChunkLease.write` and a batch of hand-offs in one atomic step: each
+# result is added to the stream with its prompt's mark, unless the prompt was settled
+# already (a retry whose first try landed). Returns {0, flag per result: 1 handed off,
+# 0 already settled}, or {1} when a later delivery started, {2} when the delivery went
+# back to the queue (nothing written).
+_HAND_OFF_LUA = """
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
+if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
+local flags = {0}
+for i = 5, #ARGV, 2 do
+  local fresh = redis.call('SADD', KEYS[3], ARGV[i])
+  if fresh == 1 then redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[i + 1]) end
+  table.insert(flags, fresh)
+end
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return flags
+"""
+_LOST_WHY = {
+    1: "a later delivery of the chunk started",
+    2: "its delivery went back to the queue",
+}
 
 
 class LeaseLost(Exception):
@@ -159,11 +188,36 @@ class ChunkLease:
         whose reply was lost. A Redis outage is waited out for up to one lease; past it
         the lease has run out anyway, and the error is raised.
         """
+        return self._retrying(lambda: self._write_once(r, fill, prompt_id))
+
+    def hand_off(self, r: redis.Redis, stream: str, results: list[tuple[str, bytes]]) -> list[bool]:
+        """Add (prompt id, encoded result) pairs to the results stream, each atomically
+        with its prompt's mark in the chunk's `generated` set, in one script that checks
+        the lease as `write` does; one round trip for the batch. Returns, per result,
+        whether it was handed off now (False: it was already settled). Raises LeaseLost
+        when this delivery no longer holds the chunk (nothing written)."""
+        argv: list[str | bytes | int] = [
+            self.attempt, self.tag or "", defaults.CHUNK_STATE_TTL_S, RESULT_FIELD
+        ]  # fmt: skip
+        for prompt_id, encoded in results:
+            argv += [prompt_id, encoded]
+        lua_keys = [self.attempts_key, keys.KOMBU_UNACKED_INDEX, self.generated_key, stream]
+        reply = self._retrying(
+            lambda: self._book.hand_off_script(keys=lua_keys, args=argv, client=r)
+        )
+        status, *flags = (int(x) for x in reply)
+        if status:
+            self.mark_lost(_LOST_WHY[status])
+            raise LeaseLost(_LOST_WHY[status])
+        return [flag == 1 for flag in flags]
+
+    def _retrying(self, write: Callable[[], T]) -> T:
+        """Run `write`, waiting out a Redis outage for up to one lease."""
         deadline = time.monotonic() + settings.current().visibility_timeout_s
         failures = 0
         while True:
             try:
-                return self._write_once(r, fill, prompt_id)
+                return write()
             except OUTAGE_ERRORS as exc:
                 if time.monotonic() > deadline:
                     raise
@@ -202,9 +256,9 @@ class ChunkLease:
 
     def _check(self, pipe: redis.client.Pipeline) -> None:
         if pipe.llen(self.attempts_key) != self.attempt + 1:
-            why = "a later delivery of the chunk started"
+            why = _LOST_WHY[1]
         elif self.tag is not None and pipe.zscore(keys.KOMBU_UNACKED_INDEX, self.tag) is None:
-            why = "its delivery went back to the queue"
+            why = _LOST_WHY[2]
         else:
             return
         pipe.unwatch()
@@ -266,6 +320,7 @@ class LeaseBook:
         self._held: dict[int, ChunkLease] = {}
         self._settled: Counter[str | None] = Counter()
         self._renew = r.register_script(_RENEW_LUA)
+        self.hand_off_script = r.register_script(_HAND_OFF_LUA)
 
     def start(
         self, job: str, chunk_id: str, tag: str | None, worker: str

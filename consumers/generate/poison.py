@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
-from kombu.utils.json import loads
+from kombu.utils.json import loads as kombu_loads
 
 from regen.common import dlq, jobspec, keys
 from regen.common.celery_app import GENERATE_TASK
@@ -49,18 +50,44 @@ class Verdict:
     task_id: str | None = None
 
 
+Loads = Callable[[bytes | str], Any]
+
+
 def inspect(raw: bytes, queue: str, queue_of: Callable[[str], str | None]) -> Verdict | None:
     """None when `raw`, popped from `queue`, is a chunk that kombu and Celery will deliver
     to regen's task; else why not. `queue_of(job)` is the job's queue (None: no such job).
 
-    Decoding uses kombu's own JSON loader, so whatever passes here also decodes there.
+    A message that passes with orjson's decoding passes with kombu's own JSON loader, so
+    also decodes there: orjson refuses whatever the json module refuses, and kombu's hook
+    (which turns objects with a `__type__` key into values, or raises) is kept for text
+    that has one. The values differ only past the standard (orjson refuses NaN and lone
+    surrogates, reads an integer past 64 bits as a float), so a message refused that way
+    is judged again, with kombu's loader, for the verdict kombu would give. orjson is
+    several times faster, and every chunk is screened once per delivery.
     """
+    verdict = _inspect(raw, queue, queue_of, _fast_loads)
+    return verdict and _inspect(raw, queue, queue_of, _kombu_loads)
+
+
+def _fast_loads(text: bytes | str) -> Any:
+    if isinstance(text, str) or b"__type__" in text:  # str: a body not in base64, rare
+        return kombu_loads(text)
+    return orjson.loads(text)
+
+
+def _kombu_loads(text: bytes | str) -> Any:
+    return kombu_loads(text)  # bytes: decoded as UTF-8 first
+
+
+def _inspect(
+    raw: bytes, queue: str, queue_of: Callable[[str], str | None], loads: Loads
+) -> Verdict | None:
     try:
-        envelope = loads(raw.decode())
+        envelope = loads(raw)
     except Exception as exc:  # untrusted bytes: any failure to decode is the verdict
         return Verdict(Reason.NOT_JSON, f"not JSON: {exc}")
     try:
-        headers, body = _unwrap(envelope)
+        headers, body = _unwrap(envelope, loads)
     except Exception as exc:  # as above: kombu's JSON hooks raise more than ValueError
         return Verdict(Reason.NOT_A_TASK_MESSAGE, f"not a Celery task message: {exc!r}")
     task_id = headers["id"]
@@ -81,7 +108,7 @@ def inspect(raw: bytes, queue: str, queue_of: Callable[[str], str | None]) -> Ve
     return None
 
 
-def _unwrap(envelope: Any) -> tuple[dict[str, Any], Any]:
+def _unwrap(envelope: Any, loads: Loads) -> tuple[dict[str, Any], Any]:
     """The headers and decoded body of a Celery (protocol 2) message in a kombu Redis
     envelope, checking every field that kombu or Celery would otherwise fail on."""
     properties = envelope["properties"]
@@ -103,7 +130,7 @@ def _unwrap(envelope: Any) -> tuple[dict[str, Any], Any]:
         body = base64.b64decode(body, validate=True)
     elif encoding is not None:
         raise ValueError(f"unknown body encoding {encoding!r}")
-    return headers, loads(body.decode() if isinstance(body, bytes) else body)
+    return headers, loads(body)
 
 
 def _single_argument(body: Any) -> dict[str, Any]:

@@ -40,7 +40,6 @@ A record (one JSON line in a shard, schema `regen.record/2`):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +50,6 @@ from regen.common.chat_family import (
     ThinkState,
     assistant_message,
     prompt_opens_think,
-    render_conversation_ids,
     render_prompt_ids,
     split_reasoning,
     think_state,
@@ -60,6 +58,7 @@ from regen.common.dlq import ReasonCode, Refused
 from regen.common.jobspec import JobSpec
 from regen.common.output_calls import turn_calls
 from regen.common.results import GeneratedResult
+from regen.consumers.tokenize.drift import cut_ids, drift_at, first_difference
 
 RECORD_SCHEMA = "regen.record/2"
 # Field -> accepted JSON types, for readers that validate (shards verify).
@@ -118,6 +117,11 @@ class RecordContext:
             raise ValueError(f"on_truncated must be one of {sorted(ON_TRUNCATED)}")
 
     @functools.cached_property
+    def cut_ids(self) -> frozenset[int]:
+        """Where the drift check may cut a rendering (drift.py)."""
+        return cut_ids(self.tokenizer)
+
+    @functools.cached_property
     def thinking(self) -> bool | None:
         """The job's thinking setting; None where the template has no switch (each prompt
         then says whether it opens a think span).
@@ -155,7 +159,7 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
     messages = [*result.messages, assistant_message(reasoning, answer, calls)]
     input_ids = result.prompt_ids + result.output_ids
     n_prompt, n_output = len(result.prompt_ids), len(result.output_ids)
-    drift_at = _drift_at(ctx, messages, result.tools, input_ids) if ctx.drift_check else None
+    drift_at = _drift_at(ctx, messages, result, input_ids) if ctx.drift_check else None
     record = {
         "schema": RECORD_SCHEMA,
         "id": result.id,
@@ -251,7 +255,7 @@ def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matche
         and not decoded[len(text) :].strip(_REPLACEMENT)
     ):
         return
-    at = _first_difference(text, decoded)
+    at = first_difference(text, decoded)
     raise CheckFailed(
         Reason.TEXT_MISMATCH,
         f"server text differs from the decoded output_ids at char {at}: "
@@ -314,30 +318,14 @@ def _split(
 def _drift_at(
     ctx: RecordContext,
     messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
+    result: GeneratedResult,
     input_ids: list[int],
 ) -> int | None:
-    """Where re-rendering the conversation first departs from input_ids, or None.
-
-    Compared over input_ids' length: templates may append tokens the model never
-    generates after the end of turn (chatml's newline), and a truncated record has no
-    end of turn at all.
-    """
+    """Where re-rendering the record's conversation departs from input_ids (drift.py)."""
     try:
-        rendered = render_conversation_ids(
-            ctx.tokenizer, messages, ctx.spec.chat_template_kwargs, tools
-        )
+        return drift_at(
+            ctx.tokenizer, ctx.cut_ids, messages, ctx.spec.chat_template_kwargs, result.tools,
+            input_ids, len(result.prompt_ids),
+        )  # fmt: skip
     except ChatTemplateError as exc:
         raise CheckFailed(Reason.RENDER_FAILED, str(exc)) from exc
-    n = len(input_ids)
-    if rendered[:n] == input_ids:  # the common case, compared in C
-        return None
-    return _first_difference(rendered[:n], input_ids)
-
-
-def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Index of the first difference between two unequal sequences (the shorter's length
-    when one is a prefix of the other)."""
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )

@@ -1,0 +1,210 @@
+"""regen's own CPU per prompt, per stage, against a near-zero-latency server.
+
+Runs the SGLang stand-in with instant decoding and short answers, one real
+`regen worker generate --engine sglang` and one real `regen worker tokenize` (drift
+check on, the default), then `regen enqueue` of N short prompts, until every prompt is
+committed to a shard. It reads each regen process's own CPU seconds (user + system, its
+threads and children included; the stand-in's and Redis's are not regen's) and prints
+CPU ms per prompt for each stage and summed, and the run's prompts/s.
+
+- Workers: measured from the moment the producer starts to the last commit (their
+  start-up, and a warm-up job that loads the tokenizer, come before).
+- Producer: its steady part, from its first chunk in Redis to its exit; its start-up
+  (imports, tokenizer load) is printed apart (`bench/startup.py` measures that).
+
+On shared cores wall time depends on the neighbours and the stand-in's own CPU; CPU
+seconds per prompt do not. Run from the repository root:
+
+    python bench/cpu_per_prompt.py [--prompts 20000] [--py-spy DIR]
+
+`--py-spy DIR` also samples each stage with py-spy (on PATH) into DIR/STAGE.txt,
+collapsed stacks of the threads holding the GIL (where Python spends CPU).
+
+The target is <= 1 ms summed over the stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import psutil
+import redis
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from regen.common import defaults, keys  # noqa: E402
+from tests.generate_harness import Worker  # noqa: E402
+from tests.redis_server import running_redis  # noqa: E402
+from tests.sglang_standin.process import run_standin  # noqa: E402
+
+WARMUP_PROMPTS = 128
+# The workers run with regen's own lease and sweep settings, not the tests' short ones.
+PRODUCT_SETTINGS = {
+    "REGEN_VISIBILITY_TIMEOUT": str(defaults.VISIBILITY_TIMEOUT_S),
+    "REGEN_RESTORE_INTERVAL": str(defaults.UNACKED_RESTORE_INTERVAL_S),
+    "REGEN_RESTORE_THROTTLE": str(defaults.UNACKED_RESTORE_THROTTLE),
+    "HF_HUB_OFFLINE": "1",
+}
+TIMEOUT_S = 1800.0
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU of the process, its threads and its waited-for children."""
+    times = process.cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def wait_until(condition: Callable[[], bool], what: str, poll_s: float = 0.05) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(poll_s)
+
+
+def committed(r: redis.Redis, job: str) -> int:
+    return int(r.hget(keys.job_counters(job), keys.COMMITTED_PROMPTS) or 0)
+
+
+def write_rows(path: Path, n: int, tag: str) -> Path:
+    path.write_bytes(
+        b"".join(orjson.dumps({"prompt": f"{tag} {i}: name one fact about {i}."}) + b"\n"
+                 for i in range(n))
+    )  # fmt: skip
+    return path
+
+
+class Stage:
+    """A regen process being measured, its log in a file."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.popen = popen
+        self.process = psutil.Process(popen.pid)
+        self.log = log
+
+    def sample(self, profile: Path) -> None:
+        """py-spy samples it until it exits (or is stopped) into `profile`."""
+        subprocess.Popen(
+            ["py-spy", "record", "--pid", str(self.popen.pid), "--format", "raw",
+             "--nonblocking", "--gil", "--threads", "--output", str(profile)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.process)
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"{self.log.name} exited:\n{self.log.read_text()[-3000:]}")
+
+
+def enqueue(url: str, rows: Path, job: str, log: Path) -> Stage:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "regen", "enqueue", str(rows), "--job", job,
+               "--model", "smollm2", "--redis-url", url]  # fmt: skip
+    with log.open("ab") as out:
+        popen = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Stage(popen, log)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    with (
+        running_redis(tmp / "redis") as redis_server,
+        run_standin(
+            max_running_requests=4096,
+            decode_tokens_per_s=0.0,
+            output_len_dist=f"fixed:n={args.output_tokens}",
+        ) as server,
+        Worker(redis_server.url, tmp, "--engine", "sglang", "--server", server.url,
+               env=PRODUCT_SETTINGS) as generate,
+        Worker(redis_server.url, tmp, "--out", str(tmp / "out"), "--idle-commit", "0.5",
+               env=PRODUCT_SETTINGS, kind="tokenize") as tokenize,
+    ):  # fmt: skip
+        url = redis_server.url
+        r = redis.Redis.from_url(url)
+        workers = {worker.kind: Stage(worker.process, worker.log_path)
+                   for worker in (generate, tokenize)}  # fmt: skip
+        # A warm-up job: both workers have found jobs and loaded the tokenizer.
+        warm = enqueue(url, write_rows(tmp / "warm.jsonl", WARMUP_PROMPTS, "Warm-up"),
+                       "warmup", tmp / "warmup.log")  # fmt: skip
+        warm.popen.wait()
+
+        def warmed() -> bool:
+            for stage in workers.values():
+                stage.check_alive()
+            return committed(r, "warmup") == WARMUP_PROMPTS
+
+        wait_until(warmed, "the warm-up job")
+        measure(args, tmp, url, r, workers)
+        print(f"  stand-in: {server.stats()['connections_total']} connections opened")
+
+
+def measure(
+    args: argparse.Namespace,
+    tmp: Path,
+    url: str,
+    r: redis.Redis,
+    workers: dict[str, Stage],
+) -> None:
+    rows = write_rows(tmp / "rows.jsonl", args.prompts, "Benchmark prompt")
+    job = "bench"
+    before = {name: stage.cpu() for name, stage in workers.items()}
+    started = time.monotonic()
+    producer = enqueue(url, rows, job, tmp / "enqueue.log")
+    if args.py_spy is not None:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+        for name, stage in {"producer": producer, **workers}.items():
+            stage.sample(args.py_spy / f"{name}.txt")
+    wait_until(lambda: bool(r.hlen(keys.job_chunks(job))) or producer.popen.poll() is not None,
+               "the first chunk", poll_s=0.005)  # fmt: skip
+    producer_start_up = producer.cpu()
+    # The producer's own CPU is read at its exit from the kernel's account of the child.
+    _, status, usage = os.wait4(producer.popen.pid, 0)
+    producer.popen.returncode = os.waitstatus_to_exitcode(status)
+    if producer.popen.returncode != 0:
+        raise RuntimeError(f"regen enqueue failed:\n{producer.log.read_text()[-3000:]}")
+    producer_total = usage.ru_utime + usage.ru_stime
+
+    def done() -> bool:
+        for stage in workers.values():
+            stage.check_alive()
+        return committed(r, job) >= args.prompts
+
+    wait_until(done, "every prompt committed")
+    wall = time.monotonic() - started
+    cpu = {name: stage.cpu() - before[name] for name, stage in workers.items()}
+    cpu = {"producer": producer_total - producer_start_up, **cpu}
+    report(args.prompts, cpu, producer_start_up, wall)
+
+
+def report(n: int, cpu: dict[str, float], producer_start_up: float, wall: float) -> None:
+    print(f"{n} prompts, drift check on, near-zero-latency stand-in")
+    for name, seconds in cpu.items():
+        print(f"  {name:9s} {seconds * 1000 / n:6.3f} ms CPU per prompt ({seconds:6.2f} s)")
+    total = sum(cpu.values())
+    print(f"  {'summed':9s} {total * 1000 / n:6.3f} ms CPU per prompt (target <= 1 ms)")
+    print(f"  producer start-up (not counted above): {producer_start_up:.2f} s CPU")
+    print(f"  wall: {wall:.1f} s = {n / wall:.0f} prompts/s (shared cores: not comparable)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=20_000, help="3000 for a quick run")
+    parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument("--py-spy", type=Path, help="also profile each stage into this folder")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="regen-cpu-bench-") as tmp:
+        run(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
