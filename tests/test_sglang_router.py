@@ -19,10 +19,12 @@ import orjson
 import pytest
 import redis
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 
 from regen.cli_status import verify
 from regen.common import dlq, keys
 from regen.consumers.generate.engine import PromptRejected
+from regen.consumers.generate.engines.admission import AdmissionPolicy, parse_metrics
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_replies import Failure, classify_error
 from regen.consumers.generate.engines.sglang_router import (
@@ -153,6 +155,34 @@ def test_the_router_lists_its_servers_and_a_server_is_no_router(tmp_path: Path) 
         router.close()
         with pytest.raises(RouterError, match="cannot ask"):
             asyncio.run(router_worker_urls(router.url, timeout_s=5))
+
+
+@pytest.mark.slow
+@needs_router
+def test_auto_reads_the_metrics_of_the_servers_behind_the_router(tmp_path: Path) -> None:
+    """The router's port has no /metrics: `--max-inflight auto` reads its servers'."""
+    with (
+        run_standin() as a,
+        run_standin() as b,
+        run_router([a, b], tmp_path) as router,
+    ):
+        assert router.http.get("/metrics").status_code == 404
+
+        async def read() -> tuple[int, bytes]:
+            async with SGLangHTTPEngine([router.url], admission=AdmissionPolicy()) as engine:
+                (server,) = engine.servers()
+                return await engine.read_metrics(server)
+
+        status, body = asyncio.run(read())
+        assert status == 200
+        running = [
+            sample.labels
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples
+            if sample.name == "sglang:num_running_reqs"
+        ]
+        assert len(running) == 2  # one reading per server behind the router
+        assert parse_metrics(body.decode()).running == 0
 
 
 @pytest.mark.slow

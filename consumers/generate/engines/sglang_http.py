@@ -28,6 +28,7 @@ from regen.consumers.generate.engines.sglang_replies import (
     parse_result,
     transport_failure,
 )
+from regen.consumers.generate.engines.sglang_router import RouterError, router_worker_urls
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class SGLangHTTPEngine:
             None
             if admission is None
             else AdmissionPoller(
-                self._pool, admission, self._fetch_metrics, interval_s=admission_poll_s
+                self._pool, admission, self.read_metrics, interval_s=admission_poll_s
             )
         )
 
@@ -179,6 +180,9 @@ class SGLangHTTPEngine:
 
     def capacity(self) -> int:
         return sum(s.cap for s in self._pool.healthy())
+
+    def servers(self) -> list[ServerState]:
+        return list(self._pool.servers)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -281,11 +285,35 @@ class SGLangHTTPEngine:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
-    async def _fetch_metrics(self, server: ServerState) -> tuple[int, bytes]:
+    async def read_metrics(self, server: ServerState) -> tuple[int, bytes]:
+        """The server's /metrics; for SGLang's router, its servers' together.
+
+        The router serves no `sglang:*` metrics of its own (docs/design.md, "Behind
+        SGLang's router"), so on a 404 its worker list is asked for, and each listed
+        server's /metrics is read: their text put together sums running and queued
+        requests and throughput over the servers, and keeps the highest token usage
+        (admission.parse_metrics), so the router's one limit follows all of them. A
+        server that does not answer is left out of that reading.
+        """
+        headers = self._auth_headers[server]
+        status, body = await self._get_metrics(server.url, headers)
+        if status != 404:
+            return status, body
+        try:
+            workers = await router_worker_urls(
+                server.url, session=self._session(), headers=headers, timeout_s=10.0
+            )
+        except RouterError:
+            return status, body  # no router either: the controller keeps the fixed limit
+        readings = await asyncio.gather(
+            *(self._get_metrics(url, headers) for url in workers), return_exceptions=True
+        )
+        texts = [r[1] for r in readings if not isinstance(r, BaseException) and r[0] == 200]
+        return (200, b"\n".join(texts)) if texts else (status, body)
+
+    async def _get_metrics(self, base_url: str, headers: dict[str, str]) -> tuple[int, bytes]:
         async with self._session().get(
-            server.url + "/metrics",
-            headers=self._auth_headers[server],
-            timeout=self._health_timeout,
+            base_url + "/metrics", headers=headers, timeout=self._health_timeout
         ) as response:
             return response.status, await response.read()
 
