@@ -94,6 +94,14 @@ def run_router(workers: list[StandinHandle], log_dir: Path, *flags: str) -> Iter
         router.close()
 
 
+@contextlib.contextmanager
+def two_servers_behind_a_router(
+    log_dir: Path,
+) -> Iterator[tuple[StandinHandle, StandinHandle, Router]]:
+    with run_standin() as a, run_standin() as b, run_router([a, b], log_dir) as router:
+        yield a, b, router
+
+
 # --- what regen makes of the router's own errors -------------------------------------------
 # Bodies as sglang-router 0.3.2 sends them (docs/design.md, "Behind SGLang's router").
 UPSTREAM_500 = (
@@ -144,11 +152,7 @@ def test_a_worker_list_names_each_server_once() -> None:
 @pytest.mark.slow
 @needs_router
 def test_the_router_lists_its_servers_and_a_server_is_no_router(tmp_path: Path) -> None:
-    with (
-        run_standin() as a,
-        run_standin() as b,
-        run_router([a, b], tmp_path) as router,
-    ):
+    with two_servers_behind_a_router(tmp_path) as (a, b, router):
         assert sorted(asyncio.run(router_worker_urls(router.url))) == sorted([a.url, b.url])
         with pytest.raises(RouterError, match="not SGLang's router"):
             asyncio.run(router_worker_urls(a.url))
@@ -161,11 +165,7 @@ def test_the_router_lists_its_servers_and_a_server_is_no_router(tmp_path: Path) 
 @needs_router
 def test_auto_reads_the_metrics_of_the_servers_behind_the_router(tmp_path: Path) -> None:
     """The router's port has no /metrics: `--max-inflight auto` reads its servers'."""
-    with (
-        run_standin() as a,
-        run_standin() as b,
-        run_router([a, b], tmp_path) as router,
-    ):
+    with two_servers_behind_a_router(tmp_path) as (_, _, router):
         assert router.http.get("/metrics").status_code == 404
 
         async def read() -> tuple[int, bytes]:
