@@ -300,9 +300,7 @@ class SGLangHTTPEngine:
         if status != 404:
             return status, body
         try:
-            workers = await router_worker_urls(
-                server.url, session=self._session(), headers=headers, timeout_s=10.0
-            )
+            workers = await router_worker_urls(server.url, session=self._session(), headers=headers)
         except RouterError:
             return status, body  # no router either: the controller keeps the fixed limit
         readings = await asyncio.gather(
