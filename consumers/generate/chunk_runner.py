@@ -21,9 +21,8 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -35,7 +34,7 @@ from regen.consumers.generate.engine import GenerateRequest, GenerateResult, Pro
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
 from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseBook, LeaseLost
 from regen.consumers.generate.reasons import Reason
-from regen.consumers.generate.runner import EngineRunner
+from regen.consumers.generate.runner import EngineRunner, Outcome
 from regen.consumers.generate.settle import (
     GIVE_BACK_AFTER_S,
     ChunkDeferred,
@@ -253,60 +252,54 @@ def _generate_all(
     # A requeued chunk may override some params (`regen dlq requeue --set`).
     sampling = {**spec.sampling, **chunk.sampling}
     deadline = time.monotonic() + GIVE_BACK_AFTER_S
-    futures: dict[Future[GenerateResult], ChunkPrompt] = {}
-    for prompt in todo:
-        request = GenerateRequest(
+    requests = [
+        GenerateRequest(
             rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
             prompt_ids=prompt.prompt_ids,
             sampling=dict(sampling),
         )
-        futures[ctx.runner.submit(generate_with_retry(ctx.runner, request, deadline))] = prompt
-    ctx.count_inflight(len(futures))
-
-    def stop_prompts() -> None:  # a lease a heartbeat found lost stops them at once
-        for future in futures:
-            future.cancel()
-
-    lease.on_lost(stop_prompts)
+        for prompt in todo
+    ]
+    batch = ctx.runner.start_batch(
+        [generate_with_retry(ctx.runner, request, deadline) for request in requests]
+    )
+    ctx.count_inflight(len(todo))
+    lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
     generated = rejected = 0
-    # Futures arrive here as they finish: waiting costs O(1) per prompt (a wait() on all
-    # the running ones, per wake-up, would cost O(running)).
-    finishing: queue.SimpleQueue[Future[GenerateResult]] = queue.SimpleQueue()
-    for future in futures:
-        future.add_done_callback(finishing.put)
-    left = len(futures)
+    left = len(todo)
     try:
         while left:
             # Every prompt finished by now is handed off together: one round trip.
-            finished = _take_finished(finishing)
+            finished = _take_finished(batch.finished)
             left -= len(finished)
+            ctx.count_inflight(-len(finished))
             if lease.lost.is_set():
                 raise LeaseLost("another delivery holds the chunk")
-            ctx.count_inflight(-len(finished))
             completed = []
-            for future in finished:
-                prompt = futures[future]
-                try:
-                    completed.append((prompt, future.result()))
-                except PromptRejected as exc:
-                    _reject(ctx, lease, chunk, prompt, exc)
+            for outcome in finished:
+                prompt = todo[outcome.index]
+                if isinstance(outcome.error, PromptRejected):
+                    _reject(ctx, lease, chunk, prompt, outcome.error)
                     rejected += 1
+                elif outcome.error is not None:
+                    raise outcome.error
+                else:
+                    completed.append((prompt, cast(GenerateResult, outcome.result)))
             _hand_off(ctx, lease, chunk, completed, sampling)
             generated += len(completed)
     except BaseException:
-        # Leaving early (shutdown, lost lease, Redis out of reach): stop the prompts still
-        # running so the engine's capacity goes to the next chunk.
-        for future in futures:
-            if future.cancel():
-                ctx.count_inflight(-1)
+        # Leaving early (shutdown, lost lease, Redis out of reach, a prompt given back):
+        # stop the prompts still running so the engine's capacity goes to the next chunk.
+        batch.cancel()
+        ctx.count_inflight(-left)
         raise
     return generated, rejected
 
 
 def _take_finished(
-    finishing: queue.SimpleQueue[Future[GenerateResult]],
-) -> list[Future[GenerateResult]]:
-    """The next future to finish, and every other one finished by then."""
+    finishing: queue.SimpleQueue[Outcome[GenerateResult]],
+) -> list[Outcome[GenerateResult]]:
+    """The next outcome, and every other one ready by then."""
     finished = [finishing.get()]
     with contextlib.suppress(queue.Empty):
         while True:
