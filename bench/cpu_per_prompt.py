@@ -13,12 +13,16 @@ CPU ms per prompt for each stage and summed, and the run's prompts/s.
   (imports, tokenizer load) is printed apart (`bench/startup.py` measures that).
 
 On shared cores wall time depends on the neighbours and the stand-in's own CPU; CPU
-seconds per prompt do not. Run from the repository root:
+seconds per prompt much less, but they still move with the host: the same code measured
+minutes apart on this 2-core machine varied by up to 1.5x. So the bench runs several
+jobs (`--rounds`) on the same workers and prints each and the median, and before each
+round times a fixed pure-Python loop (`reference`), which shows how fast the host was
+then. Run from the repository root:
 
-    python bench/cpu_per_prompt.py [--prompts 20000] [--py-spy DIR]
+    python bench/cpu_per_prompt.py [--prompts 20000] [--rounds 3] [--py-spy DIR]
 
-`--py-spy DIR` also samples each stage with py-spy (on PATH) into DIR/STAGE.txt,
-collapsed stacks of the threads holding the GIL (where Python spends CPU).
+`--py-spy DIR` also samples each stage of the first round with py-spy (on PATH) into
+DIR/STAGE.txt, collapsed stacks of the threads holding the GIL (where Python spends CPU).
 
 The target is <= 1 ms summed over the stages.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +60,16 @@ PRODUCT_SETTINGS = {
     "HF_HUB_OFFLINE": "1",
 }
 TIMEOUT_S = 1800.0
+STAGES = ("producer", "generate", "tokenize")
+
+
+def reference_loop_ms() -> float:
+    """CPU ms of a fixed pure-Python loop: how fast the host runs Python right now."""
+    started = time.process_time()
+    total = 0
+    for i in range(2_000_000):
+        total += i * i
+    return (time.process_time() - started) * 1000
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -144,7 +159,17 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             return committed(r, "warmup") == WARMUP_PROMPTS
 
         wait_until(warmed, "the warm-up job")
-        measure(args, tmp, url, r, workers)
+        print(f"{args.prompts} prompts a round, drift check on, near-zero-latency stand-in")
+        rounds = []
+        for number in range(1, args.rounds + 1):
+            reference = reference_loop_ms()
+            profile = args.py_spy if number == 1 else None
+            cpu = measure(args, tmp, url, r, workers, f"bench-{number}", profile)
+            report(f"round {number}", args.prompts, cpu)
+            print(f"  reference loop before it: {reference:.0f} ms CPU")
+            rounds.append(cpu)
+        median = {name: statistics.median(cpu[name] for cpu in rounds) for name in STAGES}
+        report(f"median of {args.rounds} rounds", args.prompts, median)
         print(f"  stand-in: {server.stats()['connections_total']} connections opened")
 
 
@@ -154,16 +179,18 @@ def measure(
     url: str,
     r: redis.Redis,
     workers: dict[str, Stage],
-) -> None:
-    rows = write_rows(tmp / "rows.jsonl", args.prompts, "Benchmark prompt")
-    job = "bench"
+    job: str,
+    profile: Path | None,
+) -> dict[str, float]:
+    """One job of args.prompts prompts: CPU seconds of each stage."""
+    rows = write_rows(tmp / f"{job}.jsonl", args.prompts, f"Prompt of {job}")
     before = {name: stage.cpu() for name, stage in workers.items()}
     started = time.monotonic()
-    producer = enqueue(url, rows, job, tmp / "enqueue.log")
-    if args.py_spy is not None:
-        args.py_spy.mkdir(parents=True, exist_ok=True)
+    producer = enqueue(url, rows, job, tmp / f"{job}.log")
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
         for name, stage in {"producer": producer, **workers}.items():
-            stage.sample(args.py_spy / f"{name}.txt")
+            stage.sample(profile / f"{name}.txt")
     wait_until(lambda: bool(r.hlen(keys.job_chunks(job))) or producer.popen.poll() is not None,
                "the first chunk", poll_s=0.005)  # fmt: skip
     producer_start_up = producer.cpu()
@@ -181,24 +208,25 @@ def measure(
 
     wait_until(done, "every prompt committed")
     wall = time.monotonic() - started
+    print(f"  {job}: producer start-up {producer_start_up:.2f} s CPU (not counted), "
+          f"wall {wall:.1f} s = {args.prompts / wall:.0f} prompts/s (shared cores)")  # fmt: skip
     cpu = {name: stage.cpu() - before[name] for name, stage in workers.items()}
-    cpu = {"producer": producer_total - producer_start_up, **cpu}
-    report(args.prompts, cpu, producer_start_up, wall)
+    return {"producer": producer_total - producer_start_up, **cpu}
 
 
-def report(n: int, cpu: dict[str, float], producer_start_up: float, wall: float) -> None:
-    print(f"{n} prompts, drift check on, near-zero-latency stand-in")
-    for name, seconds in cpu.items():
+def report(title: str, n: int, cpu: dict[str, float]) -> None:
+    print(title)
+    for name in STAGES:
+        seconds = cpu[name]
         print(f"  {name:9s} {seconds * 1000 / n:6.3f} ms CPU per prompt ({seconds:6.2f} s)")
-    total = sum(cpu.values())
+    total = sum(cpu[name] for name in STAGES)
     print(f"  {'summed':9s} {total * 1000 / n:6.3f} ms CPU per prompt (target <= 1 ms)")
-    print(f"  producer start-up (not counted above): {producer_start_up:.2f} s CPU")
-    print(f"  wall: {wall:.1f} s = {n / wall:.0f} prompts/s (shared cores: not comparable)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=20_000, help="3000 for a quick run")
+    parser.add_argument("--rounds", type=int, default=3, help="jobs measured, one after another")
     parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--py-spy", type=Path, help="also profile each stage into this folder")
     args = parser.parse_args()

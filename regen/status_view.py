@@ -93,9 +93,11 @@ def job_table(job: dict[str, Any]) -> Table:
 def _servers(worker: dict[str, Any]) -> Text:
     stats = worker.get("engine_stats") or {}
     servers = stats.get("servers")
-    if not servers:
+    if not servers:  # an in-process engine: its device, and its own cache hit rate
         device = stats.get("device")
-        return Text(f"{worker.get('engine', '-')}{f' ({device})' if device else ''}")
+        text = Text(f"{worker.get('engine', '-')}{f' ({device})' if device else ''}")
+        _append_hit_rate(text, stats)
+        return text
     text = Text()
     for i, server in enumerate(servers):
         ok = server.get("healthy")
@@ -108,10 +110,14 @@ def _servers(worker: dict[str, Any]) -> Text:
         text.append(f" {server.get('inflight', 0)}")
         if "max_inflight" in server:  # the limit, and why it last moved
             text.append(f"/{server['max_inflight']} ({server.get('limit_reason', 'fixed')})")
-        hit_rate = server.get("cache_hit_rate")
-        if hit_rate is not None:  # None: not reported (yet), which is not 0%
-            text.append(f" cache {hit_rate:.0%}", style="dim")
+        _append_hit_rate(text, server)
     return text
+
+
+def _append_hit_rate(text: Text, stats: dict[str, Any]) -> None:
+    hit_rate = stats.get("cache_hit_rate")
+    if hit_rate is not None:  # None: not reported (yet), which is not 0%
+        text.append(f" cache {hit_rate:.0%}", style="dim")
 
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:

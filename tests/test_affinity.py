@@ -127,12 +127,12 @@ def test_the_key_map_is_bounded_least_recently_used_first() -> None:
 
 def test_the_hit_rate_counts_reported_tokens_and_unknown_is_not_a_miss() -> None:
     server = pool().servers[0]
-    assert server.cache_hit_rate() is None
-    server.count_cache(100, None)
-    assert server.cache_hit_rate() is None and server.cache_unreported == 1
-    server.count_cache(100, 0)
-    server.count_cache(300, 200)
-    assert server.cache_hit_rate() == pytest.approx(0.5)
+    assert server.cache.hit_rate() is None
+    server.cache.count(100, None)
+    assert server.cache.hit_rate() is None and server.cache.unreported == 1
+    server.cache.count(100, 0)
+    server.cache.count(300, 200)
+    assert server.cache.hit_rate() == pytest.approx(0.5)
     snapshot = server.snapshot()
     assert (snapshot["prompt_tokens"], snapshot["cached_tokens"]) == (400, 200)
     assert snapshot["cache_hit_rate"] == pytest.approx(0.5)

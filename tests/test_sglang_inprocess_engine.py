@@ -16,10 +16,16 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
 
+from regen.consumers.generate.chunk_runner import ChunkContext
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, PromptRejected
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
+from regen.consumers.generate.metrics import GenerateCollector
+from regen.consumers.generate.runner import EngineRunner
+from regen.status_view import _servers
 from tests.sglang_standin.completer import Completer, load_tokenizer
 from tests.sglang_standin.config import LengthDist
 from tests.sglang_standin.offline_engine import CONFIG_ENV
@@ -190,3 +196,32 @@ def test_a_closed_engine_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None
     run(engine.close())
     with pytest.raises(EngineUnavailable, match="closed"):
         run(engine.generate(request(1)))
+
+
+@pytest.mark.usefixtures("offline_sglang")
+def test_the_prefix_cache_hit_rate_is_reported_in_stats_status_and_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A conversation's next turn repeats its last prompt: the engine's prefix cache
+    serves that part, and `meta_info.cached_tokens` says how much."""
+    engine = build(monkeypatch)
+    runner = EngineRunner(engine)
+    try:
+        first = request(1, length=40)
+        longer = GenerateRequest("req-2", [*first.prompt_ids, 7, 8, 9], first.sampling)
+        results = [runner.call(engine.generate(r), timeout=30) for r in (first, longer)]
+        stats = engine.stats()
+        collector = GenerateCollector(ChunkContext(redis.Redis(), runner), lambda: True)
+        registry = CollectorRegistry()
+        registry.register(collector)
+        exposition = generate_latest(registry).decode()
+    finally:
+        runner.close()
+    cached = [r.cached_tokens for r in results]
+    assert cached[0] == 0 and cached[1] is not None and cached[1] >= 39
+    assert stats["prompt_tokens"] == 40 + 43 and stats["cached_tokens"] == sum(cached)
+    assert stats["cache_hit_rate"] == pytest.approx(sum(cached) / 83)
+    shown = _servers({"engine": "sglang-engine", "engine_stats": stats}).plain
+    assert shown == f"sglang-engine (tp_size=1) cache {sum(cached) / 83:.0%}"
+    line = 'regen_sglang_server_cache_hit_rate{server="sglang-engine:smollm2"}'
+    assert f"{line} {sum(cached) / 83}" in exposition

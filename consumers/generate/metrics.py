@@ -48,7 +48,13 @@ class GenerateCollector(Collector):
             value=int(self._engine_healthy()),
         )
         stats = ctx.runner.engine.stats()
-        yield from _server_metrics(stats.get("servers", []))
+        servers = stats.get("servers", [])
+        yield from _server_metrics(servers)
+        # The in-process SGLang engine is one server of its own, named by its model.
+        caches = [(s["url"], s) for s in servers] or (
+            [(stats["model"], stats)] if "cache_hit_rate" in stats else []
+        )
+        yield from _cache_metrics(caches)
         yield from _affinity_metrics(stats.get("affinity"))
 
 
@@ -81,6 +87,22 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         "Failed requests by kind (each is retried; only a refusal dead-letters a prompt).",
         labels=["server", "kind"],
     )
+    for server in servers:
+        url = server["url"]  # redacted by the engine: no credentials reach the metrics
+        healthy.add_metric([url], int(server["healthy"]))
+        inflight.add_metric([url], server["inflight"])
+        limit.add_metric([url, server.get("limit_reason", "")], server["max_inflight"])
+        completed.add_metric([url], server["completed"])
+        for kind, count in sorted(server["failures_by_kind"].items()):
+            failures.add_metric([url, kind], count)
+    yield from (healthy, inflight, limit, completed, failures)
+
+
+def _cache_metrics(caches: list[tuple[str, dict[str, Any]]]) -> Iterator[Metric]:
+    """Prefix-cache hits per server (engines/cache_tally.py), from `(server, stats)`."""
+    if not caches:
+        return
+    labels = ["server"]
     prompt_tokens = CounterMetricFamily(
         "regen_sglang_server_prompt_tokens",
         "Prompt tokens of the completions that reported meta_info.cached_tokens.",
@@ -96,28 +118,12 @@ def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:
         "cached_tokens / prompt_tokens so far; absent until the server reports cached_tokens.",
         labels=labels,
     )
-    for server in servers:
-        url = server["url"]  # redacted by the engine: no credentials reach the metrics
-        healthy.add_metric([url], int(server["healthy"]))
-        inflight.add_metric([url], server["inflight"])
-        limit.add_metric([url, server.get("limit_reason", "")], server["max_inflight"])
-        completed.add_metric([url], server["completed"])
-        for kind, count in sorted(server["failures_by_kind"].items()):
-            failures.add_metric([url, kind], count)
-        prompt_tokens.add_metric([url], server["prompt_tokens"])
-        cached_tokens.add_metric([url], server["cached_tokens"])
-        if server["cache_hit_rate"] is not None:
-            hit_rate.add_metric([url], server["cache_hit_rate"])
-    yield from (
-        healthy,
-        inflight,
-        limit,
-        completed,
-        failures,
-        prompt_tokens,
-        cached_tokens,
-        hit_rate,
-    )
+    for url, cache in caches:
+        prompt_tokens.add_metric([url], cache["prompt_tokens"])
+        cached_tokens.add_metric([url], cache["cached_tokens"])
+        if cache["cache_hit_rate"] is not None:
+            hit_rate.add_metric([url], cache["cache_hit_rate"])
+    yield from (prompt_tokens, cached_tokens, hit_rate)
 
 
 def _affinity_metrics(affinity: dict[str, int] | None) -> Iterator[Metric]:

@@ -164,7 +164,7 @@ class SGLangHTTPEngine:
                 self._pool.release(server, ok=False)
                 raise
             self._pool.release(server, ok=True)
-            server.count_cache(result.prompt_tokens, result.cached_tokens)
+            server.cache.count(result.prompt_tokens, result.cached_tokens)
             return result
 
     async def health(self) -> bool:

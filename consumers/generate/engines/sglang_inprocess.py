@@ -36,6 +36,7 @@ from regen.consumers.generate.engine import (
     GenerateResult,
     PromptRejected,
 )
+from regen.consumers.generate.engines.cache_tally import CacheTally
 from regen.consumers.generate.engines.sglang_replies import (
     Failure,
     classify_status,
@@ -81,6 +82,7 @@ class SGLangInProcessEngine:
         self._inflight = 0
         self._completed = 0
         self._failures: Counter[str] = Counter()
+        self._cache = CacheTally()
         self._closed = False
 
     async def generate(
@@ -120,6 +122,7 @@ class SGLangInProcessEngine:
             self._failures[exc.kind] += 1
             raise EngineUnavailable(exc.message) from exc
         self._completed += 1
+        self._cache.count(result.prompt_tokens, result.cached_tokens)
         return result
 
     def _translate(self, exc: Exception) -> Exception:
@@ -158,6 +161,7 @@ class SGLangInProcessEngine:
             "completed": self._completed,
             "failures": dict(self._failures),
             "closed": self._closed,
+            **self._cache.snapshot(),
         }
 
     async def close(self) -> None:

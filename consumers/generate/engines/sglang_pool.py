@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from yarl import URL
 
 from regen.common import defaults
 from regen.common.backoff import Backoff
+from regen.consumers.generate.engines.cache_tally import CacheTally
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,11 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         await asyncio.wait({waiter}, timeout=timeout)
     finally:
         waiter.cancel()
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
@@ -98,26 +104,11 @@ class ServerState:
     # failure cannot flip it back to healthy with stale news.
     epoch: int = 0
     recheck: asyncio.Event = field(default_factory=asyncio.Event)
-    # Prefix-cache accounting over the completions that reported cached_tokens; those
-    # that did not are only counted, so an old server reads "unknown", not "0% hits".
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cache_unreported: int = 0
+    # Prefix-cache hits reported by this server's replies.
+    cache: CacheTally = field(default_factory=CacheTally)
 
     def routable(self, now: float) -> bool:
         return self.healthy and self.overload_until <= now and self.inflight < self.cap
-
-    def count_cache(self, prompt_tokens: int, cached_tokens: int | None) -> None:
-        """Account one completion's prompt tokens and how many of them were cached."""
-        if cached_tokens is None:
-            self.cache_unreported += 1
-        else:
-            self.prompt_tokens += prompt_tokens
-            self.cached_tokens += cached_tokens
-
-    def cache_hit_rate(self) -> float | None:
-        """Cached prompt tokens / prompt tokens; None until a completion reported it."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -131,10 +122,7 @@ class ServerState:
             "failures_by_kind": dict(self.failures),
             "last_error": self.last_error,
             "overloaded_for_s": max(0.0, self.overload_until - time.monotonic()),
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "cache_hit_rate": self.cache_hit_rate(),
-            "cache_unreported": self.cache_unreported,
+            **self.cache.snapshot(),
         }
 
 
@@ -172,6 +160,11 @@ class ServerPool:
         # Replaced on every change: a waiter grabs the current event before checking,
         # so a change between its check and its wait is never missed.
         self._changed = asyncio.Event()
+        # Requests waiting for a slot, oldest first. A freed slot wakes one of them; a
+        # change of health, overload or limit wakes them all. Waking all on each release
+        # would cost O(waiting) per completion: hundreds or thousands while servers are
+        # full, as flow control keeps them (flow.py).
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         # Affinity key -> the server that served it last, least recently used first.
         self._affinity: OrderedDict[str, ServerState] = OrderedDict()
         self._affinity_keys = affinity_keys
@@ -196,7 +189,6 @@ class ServerPool:
         With an `affinity` key: the server that served the key last, if it is routable.
         """
         while True:
-            changed = self._changed
             now = time.monotonic()
             candidates = [s for s in self.servers if s.routable(now)]
             if candidates:
@@ -209,8 +201,35 @@ class ServerPool:
                 if now >= deadline:
                     raise TimeoutError
                 wake.append(deadline)
-            timeout = max(0.0, min(wake) - now) if wake else None
-            await wait_event(changed, timeout)
+            await self._wait_for_slot(max(0.0, min(wake) - now) if wake else None)
+
+    async def _wait_for_slot(self, timeout: float | None) -> None:
+        """Until a slot may have freed (or anything else changed), or `timeout` passes.
+
+        A waiter that times out or is cancelled stays in the queue, done; the next wake
+        skips it (removing it here would cost O(waiting) each, and a cancelled chunk
+        cancels all of its waiters at once).
+        """
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._slot_waiters.append(waiter)
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._wake_one()  # woken, then cancelled: the slot goes to the next one
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     def set_limit(self, server: ServerState, limit: int, reason: str) -> None:
         """Move a server's in-flight limit; a lower one drains as requests finish."""
@@ -247,7 +266,7 @@ class ServerPool:
         if ok:
             server.completed += 1
             server.overload_streak = 0
-        self._notify()
+        self._wake_one()  # one slot freed: one waiter can take it
 
     def mark_down(self, server: ServerState, kind: str, error: str) -> None:
         self.record(server, kind, error)
@@ -274,6 +293,8 @@ class ServerPool:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        while self._slot_waiters:
+            _resolve(self._slot_waiters.popleft())
 
     # --- health --------------------------------------------------------------------------
     async def wait_until_healthy(self, timeout: float | None) -> bool:
