@@ -14,6 +14,7 @@ settled once by its own hand-off script.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -281,6 +282,10 @@ def _generate_all(
                 if isinstance(outcome.error, PromptRejected):
                     _reject(ctx, lease, chunk, prompt, outcome.error)
                     rejected += 1
+                elif isinstance(outcome.error, asyncio.CancelledError):
+                    # Not by this delivery (a lost lease is caught above): the engine's
+                    # loop is going away. Not the chunk's fault: it goes back.
+                    raise ChunkDeferred("the engine loop cancelled a prompt")
                 elif outcome.error is not None:
                     raise outcome.error
                 else:
