@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from regen.cli_status import verify
 from regen.common import dlq, keys
 from regen.common.jobspec import JobSpec
+from regen.producer.job_ids import JobIds
 from tests.generate_harness import (
     PROMPTS,
     VISIBILITY_TIMEOUT_S,
@@ -74,6 +75,8 @@ def wait_taken_over(r: redis.Redis, chunks: set[str], by: Worker) -> None:
 
 def each_id_once(r: redis.Redis) -> bool:
     counts = Counter(res.id for res in results(r, "g"))
+    if len(counts) != JobIds(r, "g").count():  # one HGET before reading every id bucket
+        return False
     return set(counts) == enqueued_ids(r, "g") and set(counts.values()) == {1}
 
 
