@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import jinja2
 
+from regen.common.piece_encoding import piece_encoder
 from regen.common.tool_calls import ToolCallFormat, format_for, opening_marker, template_messages
 
 if TYPE_CHECKING:
@@ -170,12 +171,12 @@ def render_prompt_ids(
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """`tokenizer.encode(text, add_special_tokens=False)`, as SGLang's chat path calls it,
     through the `tokenizers` pipeline itself where that gives the same ids (`pipeline`)
-    without transformers' per-call overhead, a good part of a short prompt's cost."""
+    without transformers' per-call overhead, a good part of a short prompt's cost, and
+    piece by piece, the pieces prompts share remembered (piece_encoding.py)."""
     backend = pipeline(tokenizer)
     if backend is None:
         return tokenizer.encode(text, add_special_tokens=False)
-    ids: list[int] = backend.encode(text, add_special_tokens=False).ids
-    return ids
+    return piece_encoder(tokenizer, backend).encode(text)
 
 
 def pipeline(tokenizer: PreTrainedTokenizerBase) -> Any | None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from regen.common import connection, defaults, jobspec, keys
+from regen.common import connection, defaults, gc_tuning, jobspec, keys
 from regen.options import int_option, job_options, prepare_job_or_fail, redis_url_option
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ def enqueue(
     )
     enqueuer_app = make_app(url)
     files = expand_datasets(list(datasets))
+    gc_tuning.tune_for_throughput()  # start-up is done: the tokenizer is loaded
     with ProgressDisplay() as progress:
         enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water, on_progress=progress)
         stats = enqueuer.run(files, limit=limit)

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Celery, bootsteps
 
-from regen.common import connection, defaults, jobspec, settings
+from regen.common import connection, defaults, gc_tuning, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import screen
@@ -210,6 +210,7 @@ def run_worker(options: WorkerOptions) -> None:
         concurrency,
         connection.redact(url),
     )
+    gc_tuning.tune_for_throughput()
     try:
         # app.start, not worker_main (which drops it), returns Celery's exit code: a
         # worker stopped by an unrecoverable error must not exit 0.

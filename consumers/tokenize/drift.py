@@ -20,21 +20,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from regen.common.chat_family import encode_text, pipeline, render_conversation_text
-
-# A tokenizer (`tokenizers` library) whose pipeline encodes the text between added tokens
-# piece by piece, each piece alike wherever it stands: no normalizer, or NFC (per piece),
-# and a byte-level pre-tokenizer that adds no prefix space (which only the first piece
-# would get).
-_PIECEWISE_NORMALIZERS = (None, "NFC")
+from regen.common.piece_encoding import encodes_piecewise
 
 
 def cut_ids(tokenizer: Any) -> frozenset[int]:
     """The special tokens a rendering can be cut after (empty: never cut). The tokenizer
-    must encode pieces on their own (above), and each token must be matched wherever its
-    text stands: not stripping or grabbing neighbouring text, not matched after
-    normalization, and not part of a longer added token that could run on past it."""
+    must encode pieces on their own (`encodes_piecewise`), and each token must be
+    matched wherever its text stands: not stripping or grabbing neighbouring text, not
+    matched after normalization, and not part of a longer added token that could run on
+    past it."""
     backend = pipeline(tokenizer)
-    if backend is None or not _encodes_piecewise(backend):
+    if backend is None or not encodes_piecewise(backend):
         return frozenset()
     added = tokenizer.added_tokens_decoder
     contents = [token.content for token in added.values()]
@@ -44,23 +40,6 @@ def cut_ids(tokenizer: Any) -> frozenset[int]:
         if token.special
         and not (token.lstrip or token.rstrip or token.single_word or token.normalized)
         and not any(_runs_on_past(other, token.content) for other in contents)
-    )
-
-
-def _encodes_piecewise(backend: Any) -> bool:
-    normalizer = backend.normalizer
-    if (None if normalizer is None else type(normalizer).__name__) not in _PIECEWISE_NORMALIZERS:
-        return False
-    if type(backend.decoder).__name__ != "ByteLevel":  # decodes the bytes back exactly
-        return False
-    pre = backend.pre_tokenizer
-    steps = list(pre) if type(pre).__name__ == "Sequence" else [pre]
-    kinds = [type(step).__name__ for step in steps]
-    return (
-        bool(kinds)
-        and kinds[-1] == "ByteLevel"
-        and set(kinds) <= {"Split", "ByteLevel"}
-        and not any(getattr(step, "add_prefix_space", False) for step in steps)
     )
 
 

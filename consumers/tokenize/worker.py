@@ -7,7 +7,7 @@ import signal
 import threading
 from typing import Any
 
-from regen.common import connection
+from regen.common import connection, gc_tuning
 from regen.common.heartbeat import Heartbeat, RateMeter, worker_name
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 from regen.consumers.tokenize.metrics import tokenize_metrics
@@ -58,6 +58,7 @@ def run_worker(
     log.info(
         "tokenize worker %s writing to %s, Redis %s", name, options.out_dir, connection.redact(url)
     )
+    gc_tuning.tune_for_throughput()
     try:
         consumer.run(stop)
     finally:
