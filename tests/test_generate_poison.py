@@ -7,6 +7,7 @@ not passed a health check must hold no chunk.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from regen.cli_dlq import dlq_group
 from regen.common import dlq, keys
-from regen.common.celery_app import GENERATE_TASK, make_app
+from regen.common.celery_app import CHUNK_CONTENT_TYPE, GENERATE_TASK, make_app
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.consumers.generate import poison
 from regen.ops.accounting import count_places
@@ -50,11 +51,24 @@ def push_poison(url: str, r: redis.Redis, queue: str, other_queue: str) -> dict[
     }
 
 
+def republish_as_kombu_json(url: str, r: redis.Redis, queue: str) -> None:
+    """Put a chunk of `queue` back as kombu's "application/json" message."""
+    raw = r.rpop(queue)
+    assert isinstance(raw, bytes)
+    envelope = orjson.loads(raw)
+    assert envelope["content-type"] == CHUNK_CONTENT_TYPE
+    args, _kwargs, _embed = orjson.loads(base64.b64decode(envelope["body"]))
+    make_app(url).send_task(
+        GENERATE_TASK, args=args, queue=queue, task_id=envelope["headers"]["id"], serializer="json"
+    )
+
+
 @pytest.mark.slow
 def test_garbage_on_the_queue_is_dead_lettered_and_the_worker_finishes_the_job(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     spec = enqueue_prompts(redis_url, tmp_path, PROMPTS)
+    republish_as_kombu_json(redis_url, r, spec.queue)  # as earlier versions enqueued it
     other = enqueue_prompts(redis_url, tmp_path, PROMPTS[:2], job="h")
     expected = push_poison(redis_url, r, spec.queue, other.queue)
     with (
@@ -136,9 +150,13 @@ def server_is_up(server: StandinHandle) -> bool:
 # --- the filter itself, without a worker ------------------------------------------------
 
 
-def chunk_message(r: redis.Redis, url: str, queue: str, payload: object) -> bytes:
+def chunk_message(
+    r: redis.Redis, url: str, queue: str, payload: object, serializer: str | None = None
+) -> bytes:
     """A message exactly as Celery and kombu put it on a queue (taken back off it)."""
-    make_app(url).send_task(GENERATE_TASK, args=[payload], queue=queue, task_id="t1")
+    make_app(url).send_task(
+        GENERATE_TASK, args=[payload], queue=queue, task_id="t1", serializer=serializer
+    )
     raw = r.rpop(queue)
     assert isinstance(raw, bytes)
     return raw
@@ -187,16 +205,29 @@ def test_the_screen_judges_json_beyond_the_standard_as_kombu_does(
     redis_url: str, r: redis.Redis
 ) -> None:
     """The screen decodes with orjson, which refuses NaN and reads an integer past 64
-    bits as a float; kombu's json module reads both, so kombu's verdict stands."""
+    bits as a float; kombu's json module reads both, so kombu's verdict stands for a
+    message in kombu's JSON. regen's own content type is read with orjson, as Celery
+    reads it."""
     queue = keys.generate_queue("g")
     prompt = ChunkPrompt("p1", [1, 2**70], [{"role": "user"}], {})
     payload = {**Chunk("g", "c1", [prompt]).to_payload(), "sampling": {"x": float("nan")}}
     queue_of = {"g": queue}.get
-    assert poison.inspect(chunk_message(r, redis_url, queue, payload), queue, queue_of) is None
+    legacy = chunk_message(r, redis_url, queue, payload, serializer="json")
+    assert orjson.loads(legacy)["content-type"] == "application/json"
+    assert poison.inspect(legacy, queue, queue_of) is None
     # An object kombu's hook cannot turn into a value fails kombu's decoding: poison.
     typed = {"__type__": "no-such-type", "__value__": 1}
     bad = Chunk("g", "c1", [ChunkPrompt("p1", [1], [typed], {})]).to_payload()
-    verdict = poison.inspect(chunk_message(r, redis_url, queue, bad), queue, queue_of)
+    verdict = poison.inspect(chunk_message(r, redis_url, queue, bad, "json"), queue, queue_of)
+    assert verdict is not None and verdict.reason == "not_a_task_message"
+    # The same NaN in regen's own content type: orjson, which Celery decodes it with,
+    # refuses it, so it is poison there.
+    plain = Chunk("g", "c1", [ChunkPrompt("p1", [1], [{"role": "user"}], {})]).to_payload()
+    ours = chunk_message(r, redis_url, queue, plain)
+    assert orjson.loads(ours)["content-type"] == CHUNK_CONTENT_TYPE
+    assert poison.inspect(ours, queue, queue_of) is None
+    nan_body = base64.b64encode(b'[[{"job": NaN}], {}, {}]').decode()
+    verdict = poison.inspect(reshaped(ours, lambda m: m.update(body=nan_body)), queue, queue_of)
     assert verdict is not None and verdict.reason == "not_a_task_message"
 
 

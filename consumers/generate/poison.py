@@ -27,7 +27,7 @@ import redis
 from kombu.utils.json import loads as kombu_loads
 
 from regen.common import dlq, jobspec, keys
-from regen.common.celery_app import GENERATE_TASK
+from regen.common.celery_app import CHUNK_CONTENT_TYPE, GENERATE_TASK
 from regen.common.chunk import Chunk
 from regen.consumers.generate.reasons import Reason
 
@@ -63,7 +63,9 @@ def inspect(raw: bytes, queue: str, queue_of: Callable[[str], str | None]) -> Ve
     that has one. The values differ only past the standard (orjson refuses NaN and lone
     surrogates, reads an integer past 64 bits as a float), so a message refused that way
     is judged again, with kombu's loader, for the verdict kombu would give. orjson is
-    several times faster, and every chunk is screened once per delivery.
+    several times faster, and every chunk is screened once per delivery. A body of
+    regen's own content type (celery_app.CHUNK_CONTENT_TYPE) is read with orjson alone,
+    as Celery reads it.
     """
     verdict = _inspect(raw, queue, queue_of, _fast_loads)
     return verdict and _inspect(raw, queue, queue_of, _kombu_loads)
@@ -117,8 +119,11 @@ def _unwrap(envelope: Any, loads: Loads) -> tuple[dict[str, Any], Any]:
         raise TypeError("delivery_tag is not a string")
     if not isinstance(delivery["exchange"], str) or not isinstance(delivery["routing_key"], str):
         raise TypeError("delivery_info has no exchange and routing key")
-    if envelope.get("content-type") != "application/json":
-        raise ValueError(f"content type {envelope.get('content-type')!r} is not JSON")
+    content_type = envelope.get("content-type")
+    if content_type == CHUNK_CONTENT_TYPE:
+        loads = orjson.loads  # what Celery decodes these bodies with
+    elif content_type != "application/json":
+        raise ValueError(f"content type {content_type!r} is not JSON")
     headers = envelope["headers"]
     if not isinstance(headers["task"], str) or not isinstance(headers["id"], str):
         raise TypeError("headers name no task and id")
