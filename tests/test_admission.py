@@ -131,6 +131,22 @@ def test_a_growing_queue_sheds_the_requests_beyond_what_the_server_runs() -> Non
     assert c.limit == 220
 
 
+def test_a_queue_at_a_full_kv_cache_sheds_down_to_what_runs_now() -> None:
+    c, clock = controller(fixed=256)
+    assert not clock.read(inflight=100, running=200)  # 200 ran (the limit unused: no move)
+    # The cache full, 95 running and a long queue: the 200 were admissions it retracted.
+    assert clock.read(running=95, queued=150, token_usage=0.97)
+    assert c.limit == 128 and c.reason == "back off: queue 150"  # half at most at once
+    clock.settle(running=95, queued=60, token_usage=0.97)
+    assert clock.read(running=95, queued=60, token_usage=0.97)
+    assert c.limit == 104  # 95 and the slack of 9.5, not the window's 200 and 20
+    # With room in the cache a dip is not followed: what ran lately stands.
+    d, other = controller(fixed=400)
+    assert not other.read(inflight=100, running=200)
+    assert other.read(running=95, queued=150, token_usage=0.6)
+    assert d.limit == 209
+
+
 def test_retractions_back_off_and_then_growth_is_additive() -> None:
     c, clock = controller(fixed=200)
     assert not clock.read(inflight=10, running=150)  # no growth of an unused limit

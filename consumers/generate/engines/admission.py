@@ -177,6 +177,11 @@ class AdmissionController:
             why = (
                 f"queue {load.queued:g}" if usage < p.usage_back_off else f"token usage {usage:.2f}"
             )
+            if usage >= p.usage_hold:
+                # A full KV cache: what runs now is what fits. The window's peak is the
+                # admissions it later retracted, and keeping it would hold the queue for
+                # the window's length.
+                fits = load.running + slack
             return self._back_off(max(fits, self.limit / 2), why)
         if self._growth is not None and throughput is not None:
             before_limit, before_tps, dropped_since = self._growth
