@@ -49,7 +49,7 @@ class Row:
 
 ROWS = [
     Row("Progress", [
-        Panel("Done", [(f'regen_job_prompts{{{JOB}, place="done"}} / '
+        Panel("Done", [(f'regen_job_prompts{{{JOB}, place="done"}} / ignoring (place) '
                         f"regen_job_prompts_enqueued{{{JOB}}}", "{{job}}")],
               unit="percentunit", kind="stat", width=4,
               description="Prompts in a shard, of those enqueued."),
