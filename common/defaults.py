@@ -122,6 +122,12 @@ CLAIM_IDLE_S = 900.0
 # Rates and the ETA are measured over about this much recent time (--window).
 STATUS_RATE_WINDOW_S = 600.0
 
+# --- job-wide metrics (`regen metrics serve`) ---------------------------------------
+# Redis is read at most this often, however many Prometheus servers scrape.
+JOB_METRICS_REFRESH_S = 15.0
+# The port it serves /metrics on (the workers' ports in compose.yaml are 9100 and 9101).
+JOB_METRICS_PORT = 9102
+
 # --- the demo (`regen demo`) -------------------------------------------------------
 DEMO_ENGINE = "local"
 DEMO_MODEL = "smollm2"

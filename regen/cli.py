@@ -13,6 +13,7 @@ from regen import (
     cli_demo,
     cli_dlq,
     cli_enqueue,
+    cli_metrics,
     cli_plan,
     cli_recover,
     cli_redis,
@@ -70,3 +71,4 @@ main.add_command(cli_status.status)
 main.add_command(cli_status.verify)
 main.add_command(cli_demo.demo)
 main.add_command(cli_recover.recover)
+main.add_command(cli_metrics.metrics_group)

@@ -245,3 +245,87 @@ def test_the_optional_router_fronts_the_sglang_server_with_flags_it_accepts() ->
     launcher = pytest.importorskip("sglang_router.launch_router")
     args = launcher.parse_router_args(argv[3:])
     assert args.worker_urls == [options["--worker-urls"]]
+
+
+# --- the `monitoring` profile (deploy/monitoring/) ----------------------------------------
+
+MONITORING = REPO / "deploy" / "monitoring"
+
+
+def test_every_named_volume_and_dependency_exists_in_every_profile() -> None:
+    """What `docker compose --profile ... config` checks of the references between
+    services, for every profile at once (no Docker engine where the tests run)."""
+    for name, service in SERVICES.items():
+        for dependency in service.get("depends_on", {}):
+            assert dependency in SERVICES, (name, dependency)
+        for volume in service.get("volumes", []):
+            source = str(volume).split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), (name, source)
+            elif not source.startswith(("$", "/")):
+                assert source in COMPOSE["volumes"], (name, source)
+
+
+def _mounts(service: str) -> dict[str, Path]:
+    """Container path -> repository path of a service's bind mounts from the repository."""
+    out = {}
+    for volume in SERVICES[service]["volumes"]:
+        source, target, *_ = str(volume).split(":")
+        if source.startswith("./"):
+            out[target] = REPO / source
+    return out
+
+
+def test_the_monitoring_profile_runs_prometheus_grafana_and_the_job_metrics() -> None:
+    for name in ("metrics", "prometheus", "grafana"):
+        assert SERVICES[name]["profiles"] == ["monitoring"], name
+    assert regen_services()["metrics"][1:3] == ["metrics", "serve"]
+    port = options_of(regen_services()["metrics"])["--port"]
+    assert any(str(p).endswith(f":{port}") for p in SERVICES["metrics"]["ports"])
+    # Prometheus reads the mounted config, and the rule files beside it.
+    prometheus = _mounts("prometheus")
+    (config_flag,) = [a for a in SERVICES["prometheus"]["command"] if "--config.file=" in a]
+    config_path = config_flag.split("=", 1)[1]
+    assert prometheus[config_path] == MONITORING / "prometheus.yaml"
+    config = yaml.safe_load(prometheus[config_path].read_text())
+    for rules in config["rule_files"]:
+        assert prometheus[str(Path(config_path).parent / rules)] == MONITORING / rules
+
+
+def test_prometheus_scrapes_every_metrics_port_of_the_compose_file() -> None:
+    config = yaml.safe_load((MONITORING / "prometheus.yaml").read_text())
+    targets = set()
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            targets.update(static["targets"])
+        for dns in job.get("dns_sd_configs", []):
+            targets.update(f"{name}:{dns['port']}" for name in dns["names"])
+        # regen_* series keep the regen job's name in `job` (the alert rules rely on it).
+        assert job.get("honor_labels", False) == job["job_name"].startswith("regen"), job
+    argv = regen_services()
+    expected = {
+        f"generate:{options_of(argv['generate'])['--metrics-port']}",
+        f"tokenize:{options_of(argv['tokenize'])['--metrics-port']}",
+        f"metrics:{options_of(argv['metrics'])['--port']}",
+        f"sglang:{options_of(as_argv(SERVICES['sglang']['command']))['--port']}",
+    }
+    assert targets == expected
+
+
+def test_grafana_is_provisioned_with_the_data_source_and_dashboards_regen_ships() -> None:
+    grafana = _mounts("grafana")
+    provisioning = "/etc/grafana/provisioning"
+    (source,) = yaml.safe_load(
+        (grafana[f"{provisioning}/datasources"] / "datasource.yaml").read_text()
+    )["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    assert any(str(p).endswith(":9090") for p in SERVICES["prometheus"]["ports"])
+    (provider,) = yaml.safe_load(
+        (grafana[f"{provisioning}/dashboards"] / "dashboard.yaml").read_text()
+    )["providers"]
+    folder = grafana[provider["options"]["path"]]
+    dashboards = [json.loads(path.read_text()) for path in folder.glob("*.json")]
+    assert [d["uid"] for d in dashboards] == ["regen-jobs"]
+    for panel in dashboards[0]["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == source["uid"], panel["title"]
