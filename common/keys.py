@@ -38,6 +38,8 @@ COMMITTED_INDEX = "committed_index"
 COMMITTED_PROMPTS = "committed_prompts"
 COMMITTED_OUTPUT_TOKENS = "committed_output_tokens"
 COMMITTED_SHARD_BYTES = "committed_shard_bytes"
+# Committed records with each quality flag (common/quality.py): this prefix + the flag.
+COMMITTED_FLAG_PREFIX = "committed_flag:"
 
 STAGES = ("input", "generate", "tokenize")
 
