@@ -14,24 +14,13 @@ went, so that an export can drop what a drafter should not learn from (docs/desi
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import Any
 
 from regen.common.chat_family import ChatFamily
+from regen.common.quality_flags import Flag
 from regen.common.repetition import tail_loop
 from regen.common.tool_calls import opening_marker
-
-
-class Flag(str, enum.Enum):
-    EMPTY = "empty"
-    THINKING_ONLY = "thinking_only"
-    TRUNCATED = "truncated"
-    REPETITION = "repetition"
-    BAD_TOOL_CALL = "bad_tool_call"
-
-
-FLAGS = tuple(flag.value for flag in Flag)
 
 
 def quality_flags(

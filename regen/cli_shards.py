@@ -13,6 +13,7 @@ from typing import Any
 import click
 import orjson
 
+from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.consumers.tokenize.shard_files import READ_ERRORS
 from regen.options import redis_url_option
 
@@ -152,11 +153,19 @@ def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
     help="Records longer than this many tokens are dropped (or cut, with --truncate).",
 )
 @click.option(
-    "--truncate/--drop",
-    default=False,
+    "--truncate",
+    is_flag=True,
+    help="Cut records over --max-length to it instead of dropping them (dropping is the "
+    "default: a cut answer loses its end-of-turn token).",
+)
+@click.option(
+    "--drop",
+    "drop_flags",
+    default=",".join(DEFAULT_DROP_FLAGS),
     show_default=True,
-    help="Over --max-length: cut the record to it, or drop it. Dropping is the default: "
-    "a cut answer loses its end-of-turn token.",
+    help="Comma-separated quality flags whose records are left out, or `none`: "
+    f"{', '.join(FLAGS)}. Truncated answers are kept by default: every token is still "
+    "the target's own.",
 )
 @click.option(
     "--min-loss-tokens",
@@ -186,6 +195,7 @@ def export(
     jobs: str,
     max_length: int | None,
     truncate: bool,
+    drop_flags: str,
     min_loss_tokens: int,
     shuffle: bool,
     seed: int,
@@ -204,6 +214,7 @@ def export(
             jobs=tuple(name for name in jobs.split(",") if name),
             max_length=max_length,
             truncate=truncate,
+            drop_flags=tuple(flag for flag in drop_flags.split(",") if flag not in ("", "none")),
             min_loss_tokens=min_loss_tokens,
             seed=seed if shuffle else None,
             heldout=heldout,

@@ -46,9 +46,7 @@ def _reasons(by_stage: dict[str, dict[str, int]]) -> str:
 
 def _flagged(flagged: dict[str, int], done: int) -> str:
     """Committed records with each quality flag, and their share of what is done."""
-    parts = [
-        f"{flag} {n:,} ({100 * n / done:.1f}%)" for flag, n in flagged.items() if n and done
-    ]
+    parts = [f"{flag} {n:,} ({100 * n / done:.1f}%)" for flag, n in flagged.items() if n and done]
     return " · ".join(parts) or "none"
 
 

@@ -376,3 +376,41 @@ def test_10k_records_round_trip_with_flat_memory(
     assert hf_peak < data_bytes / 4, (hf_peak, data_bytes)
     # Arrow's own allocations (outside tracemalloc's view): the batches, never the data.
     assert pa.default_memory_pool().max_memory() < data_bytes / 4
+
+
+def test_flagged_records_are_dropped_by_flag(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    flags = [[], ["empty"], ["truncated"], ["truncated", "repetition"], ["bad_tool_call"],
+             ["thinking_only", "truncated"], []]  # fmt: skip
+    rows = records("f", len(flags), "job-f", seed=5)
+    for record, flagged in zip(rows, flags, strict=True):
+        record["flags"] = flagged
+    write_shard(out / "job-f", 1, rows)
+
+    # By default every flag but `truncated` drops: truncated answers are still on-policy.
+    summary = export(out, tmp_path / "sf.jsonl", ExportOptions(format="specforge"))
+    assert [row["id"] for row in load_specforge(tmp_path / "sf.jsonl")] == ["f0", "f2", "f6"]
+    assert dict(summary.dropped) == {"flagged": 4}
+    assert dict(summary.flagged) == {"empty": 1, "repetition": 1, "bad_tool_call": 1,
+                                     "thinking_only": 1}  # fmt: skip
+    assert "dropped 4 (flagged 4); dropped by flag: bad_tool_call 1, empty 1, " in summary.line()
+
+    result = CliRunner().invoke(
+        shards_group,
+        ["export", str(out), "--format", "specforge", "--out", str(tmp_path / "t.jsonl"),
+         "--drop", "truncated"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [row["id"] for row in load_specforge(tmp_path / "t.jsonl")] == ["f0", "f1", "f4", "f6"]
+    assert "dropped by flag: truncated 3" in result.output
+    result = CliRunner().invoke(
+        shards_group,
+        ["export", str(out), "--format", "specforge", "--out", str(tmp_path / "n.jsonl"),
+         "--drop", "none"],
+    )  # fmt: skip
+    assert len(load_specforge(tmp_path / "n.jsonl")) == len(flags)
+    result = CliRunner().invoke(
+        shards_group,
+        ["export", str(out), "--out", str(tmp_path / "x.jsonl"), "--drop", "loops"],
+    )
+    assert result.exit_code != 0 and "unknown quality flag loops" in result.output

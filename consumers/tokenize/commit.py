@@ -36,7 +36,7 @@ import redis
 from regen.common import jobspec, keys, settings
 from regen.common.connection import bytes_hash
 from regen.common.id_buckets import BucketedIds
-from regen.common.quality import FLAGS
+from regen.common.quality_flags import FLAGS
 from regen.consumers.tokenize.shard_files import shard_name, shard_number
 
 # A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a

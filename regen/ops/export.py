@@ -3,11 +3,12 @@
 Formats (rows and files in export_sinks): `conversations` (text JSONL), `specforge`
 (ids and mask JSONL), `speculators` (ids, mask and metadata JSONL) and `hf` (a `datasets`
 folder). What is exported, in this order: the records of the jobs chosen (all by
-default); less those longer than `max_length` (dropped, or cut to it with `truncate`);
-less those with fewer than `min_loss_tokens` trained tokens; split into a held-out set by
-id; shuffled by a seed. Records are read once and streamed, and the shuffle spills to
-disk (export_order), so memory stays flat however many records there are.
-"""
+default); less those with a quality flag in `drop_flags` (common/quality.py; by default
+every flag but `truncated`); less those longer than `max_length` (dropped, or cut to it
+with `truncate`); less those with fewer than `min_loss_tokens` trained tokens; split into
+a held-out set by id; shuffled by a seed. Records are read once and streamed, and the
+shuffle spills to disk (export_order), so memory stays flat however many records there
+are."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.consumers.tokenize.shard_files import read_manifest
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
 from regen.ops.export_sinks import FORMATS, ExportError, Row, Shape, Sink
@@ -34,6 +36,7 @@ _SPECULATORS_SUFFIXES = (".jsonl", ".json")
 class Dropped:
     """Why a record is not exported: the summary's reasons."""
 
+    FLAGGED = "flagged"  # by flag in ExportSummary.flagged
     TOO_LONG = "too_long"
     FEW_LOSS_TOKENS = "few_loss_tokens"
 
@@ -44,6 +47,7 @@ class ExportOptions:
     jobs: tuple[str, ...] = ()  # names of the job folders to merge; all when empty
     max_length: int | None = None
     truncate: bool = False  # a record over max_length is cut to it instead of dropped
+    drop_flags: tuple[str, ...] = DEFAULT_DROP_FLAGS  # records with any of these are left out
     min_loss_tokens: int = 0
     seed: int | None = None  # shuffle with this seed; None keeps shard order
     heldout: float = 0.0  # fraction of records held out, into a second file or folder
@@ -58,6 +62,11 @@ class ExportOptions:
             raise ExportError("--truncate cuts records to --max-length, which is not set")
         if self.truncate and self.format == "conversations":
             raise ExportError("--truncate: conversations rows are text, with no ids to cut")
+        unknown = [flag for flag in self.drop_flags if flag not in FLAGS]
+        if unknown:
+            raise ExportError(
+                f"unknown quality flag {', '.join(unknown)}; known: {', '.join(FLAGS)}"
+            )
         if self.min_loss_tokens < 0:
             raise ExportError(f"min_loss_tokens must be 0 or more, not {self.min_loss_tokens}")
         if not 0 <= self.heldout < 1:
@@ -72,6 +81,8 @@ class ExportSummary:
     held_out: int = 0  # to `heldout_out`
     cut: int = 0  # written, but cut to max_length
     dropped: Counter[str] = field(default_factory=Counter)  # by Dropped reason
+    # The records dropped for their flags, by flag (one with two counts under both).
+    flagged: Counter[str] = field(default_factory=Counter)
 
     def line(self) -> str:
         parts = [f"wrote {self.written:,} records to {self.out}"]
@@ -79,6 +90,9 @@ class ExportSummary:
             parts.append(f"{self.held_out:,} held out to {self.heldout_out}")
         reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(self.dropped.items()))
         parts.append(f"dropped {self.dropped.total():,}" + (f" ({reasons})" if reasons else ""))
+        if self.flagged:
+            flags = ", ".join(f"{flag} {n:,}" for flag, n in sorted(self.flagged.items()))
+            parts.append(f"dropped by flag: {flags}")
         parts.append(f"cut {self.cut:,}")
         return "; ".join(parts)
 
@@ -187,6 +201,11 @@ def _selected(
 
 def _fit(record: Row, options: ExportOptions, summary: ExportSummary) -> Row | None:
     """The record as exported (cut to max_length with truncate), or None when dropped."""
+    flagged = [flag for flag in record.get("flags", ()) if flag in options.drop_flags]
+    if flagged:
+        summary.dropped[Dropped.FLAGGED] += 1
+        summary.flagged.update(flagged)
+        return None
     cut = False
     length = options.max_length
     if length is not None and len(record["input_ids"]) > length:
