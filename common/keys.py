@@ -62,6 +62,11 @@ def job_spec(job: str) -> str:
     return _job(job, "spec")
 
 
+def job_provenance(job: str) -> str:
+    """String: what made the job, as JSON (common/provenance.py); set once."""
+    return _job(job, "provenance")
+
+
 def job_ids(job: str, bucket: int) -> str:
     """Hash: one bucket of every prompt id ever enqueued in the job, stored id -> 1
     (common/id_buckets.py; the job spec's `id_buckets` says how many)."""

@@ -18,7 +18,7 @@ import pytest
 import redis
 from rich.console import Console
 
-from regen.common import dlq, jobspec, keys
+from regen.common import dlq, jobspec, keys, provenance
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
 from regen.consumers.tokenize.job_writer import ShardPolicy
@@ -290,6 +290,8 @@ def test_quality_flags_are_counted_once_per_committed_record(
     results = [make_result(smollm2_tokenizer, spec, i, answer) for i, answer in enumerate(answers)]
     push(r, results)
     push(r, results[:10])  # delivered again: still one record and one count each
+    made_by = {"job": "t", "model": "smollm2", "regen_version": "test"}
+    provenance.save(r, made_by)
     with InProcess(r, options(out), "c1"):
         wait_for(lambda: settled(r, "t", 30), what="all results committed")
 
@@ -300,6 +302,7 @@ def test_quality_flags_are_counted_once_per_committed_record(
     for info in read_manifest(out / "t").shards.values():
         manifests.update(info.flags)
     assert dict(manifests) == {"empty": 3, "repetition": 2}
+    assert provenance.read_file(out / "t") == made_by  # beside the shards
     status = job_status(r, spec, [], window_s=60)
     assert status["committed"]["flagged"] == flagged
     console = Console(width=200, record=True)

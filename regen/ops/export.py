@@ -20,10 +20,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from regen.common import provenance
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.consumers.tokenize.shard_files import read_manifest
+from regen.ops.dataset_card import ExportedStats, write_card
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
-from regen.ops.export_sinks import FORMATS, ExportError, Row, Shape, Sink
+from regen.ops.export_sinks import (
+    FORMATS,
+    TOKEN_SCHEMA,
+    ExportError,
+    Row,
+    Shape,
+    Sink,
+    require_datasets,
+)
 from regen.ops.shards_inspect import job_folders, job_records
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
@@ -83,6 +95,10 @@ class ExportSummary:
     dropped: Counter[str] = field(default_factory=Counter)  # by Dropped reason
     # The records dropped for their flags, by flag (one with two counts under both).
     flagged: Counter[str] = field(default_factory=Counter)
+    # What the written and the held-out records hold (for the hf dataset card).
+    stats: tuple[ExportedStats, ExportedStats] = field(
+        default_factory=lambda: (ExportedStats(), ExportedStats())
+    )
 
     def line(self) -> str:
         parts = [f"wrote {self.written:,} records to {self.out}"]
@@ -107,9 +123,14 @@ def export(
     out: Path,
     options: ExportOptions | None = None,
     heldout_out: Path | None = None,
+    dead_letters: dict[str, Counter[str]] | None = None,
 ) -> ExportSummary:
     """Write the records at `folder` (a job folder or a folder of them) to `out`, and the
-    held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout."""
+    held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout.
+
+    Every output carries the jobs' provenance (common/provenance.py): a `datasets` folder
+    in its dataset card and `provenance.json`, a file beside it as OUT.provenance.json.
+    `dead_letters` (by stage, then reason), where known, go into the card."""
     options = options or ExportOptions()
     jobs = select_jobs(folder, options.jobs)
     if heldout_out is not None and not options.heldout:
@@ -137,17 +158,45 @@ def export(
                 rows = _shuffled(selected, options.seed, _data_bytes(jobs), Path(scratch))
             for is_held_out, row in rows:
                 sinks[is_held_out].write(row)
+                if options.format == "hf":
+                    summary.stats[is_held_out].add(row)
                 if is_held_out:
                     summary.held_out += 1
                 else:
                     summary.written += 1
         for sink in sinks:
             sink.commit()
+        _describe(options, summary, paths, jobs, dead_letters)
     except BaseException:
         for sink in sinks:
             sink.abort()
         raise
     return summary
+
+
+def _describe(
+    options: ExportOptions,
+    summary: ExportSummary,
+    paths: list[Path],
+    jobs: list[Path],
+    dead_letters: dict[str, Counter[str]] | None,
+) -> None:
+    """Write each output's provenance, and a `datasets` folder's card."""
+    made_by = [found for job in jobs if (found := provenance.read_file(job)) is not None]
+    for path, stats in zip(paths, summary.stats, strict=False):
+        if options.format != "hf":
+            sidecar = path.with_name(f"{path.name}.provenance.json")
+            sidecar.write_bytes(orjson.dumps({"jobs": made_by}, option=orjson.OPT_INDENT_2))
+            continue
+        (path / provenance.PROVENANCE_FILE).write_bytes(
+            orjson.dumps({"jobs": made_by}, option=orjson.OPT_INDENT_2)
+        )
+        features = require_datasets().Features.from_arrow_schema(TOKEN_SCHEMA)._to_yaml_list()
+        size = sum(f.stat().st_size for f in path.glob("data-*.arrow"))
+        write_card(
+            path, features=features, num_bytes=size, stats=stats, dropped=summary.dropped,
+            provenances=made_by, dead_letters=dead_letters,
+        )  # fmt: skip
 
 
 def select_jobs(folder: Path, names: Sequence[str]) -> list[Path]:
