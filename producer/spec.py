@@ -34,6 +34,7 @@ class JobOptions:
     context_length: int | None = None
     queue: str | None = None
     turns: str = TURNS_LAST
+    samples: int = 1
     # Prompts with more bytes of text are refused before they are tokenized (None: the
     # most that could fit the job's token limit, see PreparedJob.too_large).
     max_row_bytes: int | None = None
@@ -129,6 +130,7 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         context_length=context,
         queue=options.queue or keys.generate_queue(options.job),
         turns=options.turns,
+        samples=options.samples,
         prompt_text=PROMPT_TEXT_AS_WRITTEN,
         id_buckets=id_buckets.bucket_count(options.expected_prompts),
     )

@@ -24,6 +24,7 @@ import orjson
 
 from regen.common import provenance
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
+from regen.common.samples import prompt_unit
 from regen.consumers.tokenize.shard_files import read_manifest
 from regen.ops.dataset_card import ExportedStats, write_card
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
@@ -241,9 +242,10 @@ def _selected(
             fitted = _fit(record, options, summary)
             if fitted is None:
                 continue
-            # By conversation where there is one (`--turns all`): a held-out set that
-            # shares a conversation's earlier turns with training would not be held out.
-            unit = fitted.get("conversation_id") or fitted["id"]
+            # By conversation where there is one (`--turns all`), and by prompt across its
+            # samples: a held-out set that shares a conversation's earlier turns or a
+            # prompt's other answers with training would not be held out.
+            unit = prompt_unit(fitted)
             is_held_out = bool(options.heldout) and held_out(unit, options.heldout)
             yield f"{fitted['job']}\0{fitted['id']}", is_held_out, shape(fitted)
 
