@@ -108,8 +108,9 @@ SHARD_MAX_ROWS = 100_000
 SHARD_MAX_BYTES = 256 * 1024**2
 SHARD_MAX_AGE_S = 300.0
 SHARD_IDLE_S = 10.0
-# Answers cut at max_new_tokens: "keep" them, "drop" them (ids noted), or "dlq".
-ON_TRUNCATED = "dlq"
+# Answers cut at max_new_tokens: "keep" them (flagged `truncated`: every token is still
+# the target's own, and the export decides), "drop" them (ids noted), or "dlq".
+ON_TRUNCATED = "keep"
 # Compare each record with a re-render of the chat template.
 DRIFT_CHECK = True
 # The stage pauses (no crash, no partial file) while the shard disk has less free.

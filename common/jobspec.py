@@ -86,6 +86,8 @@ class JobSpec:
     context_length: int | None
     queue: str
     turns: str = TURNS_LAST
+    # Answers generated per prompt, each with its own seed (common/samples.py).
+    samples: int = 1
     version: int = SPEC_VERSION
     # Not compared: a job keeps the rule it was made with (see PROMPT_TEXT_RULES).
     prompt_text: str = field(default=PROMPT_TEXT_STRIPPED, compare=False)
@@ -113,6 +115,8 @@ class JobSpec:
             raise JobSpecError(f"unknown prompt_text rule {self.prompt_text!r}: newer regen?")
         if self.id_buckets < 1:
             raise JobSpecError("id_buckets must be at least 1")
+        if self.samples < 1:
+            raise JobSpecError("samples must be at least 1")
         if self.chunk_size < 1:
             raise JobSpecError("chunk_size must be at least 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

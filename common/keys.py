@@ -38,6 +38,8 @@ COMMITTED_INDEX = "committed_index"
 COMMITTED_PROMPTS = "committed_prompts"
 COMMITTED_OUTPUT_TOKENS = "committed_output_tokens"
 COMMITTED_SHARD_BYTES = "committed_shard_bytes"
+# Committed records with each quality flag (common/quality.py): this prefix + the flag.
+COMMITTED_FLAG_PREFIX = "committed_flag:"
 
 STAGES = ("input", "generate", "tokenize")
 
@@ -58,6 +60,11 @@ def _job(job: str, suffix: str) -> str:
 def job_spec(job: str) -> str:
     """String: the job spec as JSON."""
     return _job(job, "spec")
+
+
+def job_provenance(job: str) -> str:
+    """String: what made the job, as JSON (common/provenance.py); set once."""
+    return _job(job, "provenance")
 
 
 def job_ids(job: str, bucket: int) -> str:

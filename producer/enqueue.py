@@ -8,6 +8,10 @@ continues where it stopped.
 
 With `--turns all` a row becomes a conversation (producer/conversations.py): its first
 turn is rendered and checked here, and every turn's id enters the job with its chunk.
+With `--samples K` each prompt becomes K prompts, rendered once and published as one
+chunk per sample index with that sample's seed (common/samples.py); the file's cursor
+moves with the last of them, so a crash in between re-reads the rows and publishes
+only the samples not yet in the job.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +31,7 @@ from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.queues import waiting_chunks
+from regen.common.samples import SEED_PARAM, sample_id, sample_seed
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.conversations import job_prompt
 from regen.producer.job_ids import JobIds
@@ -67,11 +72,25 @@ class _Pending:
     source: dict[str, Any]
     # With --turns all, the conversation whose first turn `prompt` is.
     conversation: Conversation | None = None
+    # With --samples, the sample this is (None: the job draws one answer a prompt).
+    sample: int | None = None
 
     @property
     def id(self) -> str:
-        """The prompt's id: its first turn's for a conversation (all come in together)."""
-        return self.prompt.id if self.conversation is None else turn_id(self.conversation.id, 0)
+        """The prompt's id: its first turn's for a conversation (all come in together),
+        a sample's own (common/samples.py)."""
+        if self.conversation is not None:
+            return turn_id(self.conversation.id, 0)
+        return self.prompt.id if self.sample is None else sample_id(self.prompt.id, self.sample)
+
+    def as_sample(self, k: int) -> _Pending:
+        """Sample k of this prompt (a conversation: with its own conversation id), its
+        index in the source."""
+        source = {**self.source, "sample": k}
+        conversation = self.conversation
+        if conversation is not None:
+            conversation = replace(conversation, id=sample_id(conversation.id, k))
+        return replace(self, source=source, conversation=conversation, sample=k)
 
 
 class Enqueuer:
@@ -128,8 +147,8 @@ class Enqueuer:
             last_row = max(last_row, raw.row)
             pending = self._interpret(raw, path)
             if pending is not None:
-                buffer.append(pending)
-            if len(buffer) >= self._spec.chunk_size:
+                buffer.extend(self._samples(pending))
+            if len(buffer) >= self._spec.chunk_size * self._spec.samples:
                 self._flush(buffer, fingerprint, last_row)
                 buffer = []
             if self.stats.rows_read % 256 == 0:
@@ -152,6 +171,12 @@ class Enqueuer:
             return None
         source["id"] = prompt.source_id
         return _Pending(prompt=prompt, source=source, conversation=conversation)
+
+    def _samples(self, item: _Pending) -> list[_Pending]:
+        """The prompts a row's prompt makes: itself, or one per sample (--samples)."""
+        if self._spec.samples == 1:
+            return [item]
+        return [item.as_sample(k) for k in range(self._spec.samples)]
 
     def _dead_letter_row(self, raw: RawRow, path: Path, reason: str, message: str) -> None:
         # Keyed by file and row, so re-reading the file after a crash overwrites the entry.
@@ -182,12 +207,51 @@ class Enqueuer:
     def _flush(self, buffer: list[_Pending], fingerprint: str, last_row: int) -> None:
         """Resolve every buffered row, then move the file's cursor to `last_row`."""
         fresh = self._drop_known(buffer)
-        prompts = [p for p in (self._render(item) for item in fresh) if p is not None]
-        cursors = {fingerprint: last_row}
+        prompts = self._render_all(fresh)
+        by_sample: dict[int | None, list[ChunkPrompt]] = {}
+        for item, prompt in zip(fresh, prompts, strict=True):
+            if prompt is not None:
+                by_sample.setdefault(item.sample, []).append(prompt)
+        groups = sorted(by_sample.items(), key=lambda group: group[0] or 0)
+        for i, (sample, chunk_prompts) in enumerate(groups):
+            sampling = {} if sample is None else {SEED_PARAM: sample_seed(self._spec.name, sample)}
+            # The cursor moves with the buffer's last chunk only.
+            last = i == len(groups) - 1
+            self._publish(chunk_prompts, sampling, {fingerprint: last_row} if last else {})
+        if not groups:
+            self._save_cursors({fingerprint: last_row})
+
+    def _render_all(self, fresh: list[_Pending]) -> list[ChunkPrompt | None]:
+        """Each prompt rendered, or dead-lettered (None). The samples of one prompt share
+        its rendering, which does not depend on the sample; one that fails is tried for
+        each sample, so that each sample's id gets its own dead letter."""
+        rendered: dict[str, ChunkPrompt | None] = {}
+        out: list[ChunkPrompt | None] = []
+        for item in fresh:
+            if item.sample is None:
+                out.append(self._render(item))
+                continue
+            base = item.prompt.id  # the same for every sample of the prompt
+            if base not in rendered:
+                rendered[base] = self._render(item)
+                out.append(rendered[base])
+                continue
+            first = rendered[base]
+            if first is None:
+                out.append(self._render(item))
+            else:
+                out.append(replace(first, id=item.id, source=item.source,
+                                   conversation=item.conversation))  # fmt: skip
+        return out
+
+    def _publish(
+        self, prompts: list[ChunkPrompt], sampling: dict[str, Any], cursors: dict[str, int]
+    ) -> None:
+        """Publish prompts as one chunk, less any another producer enqueued meanwhile."""
         while prompts:
             self._wait_for_room()
             ids = [pid for p in prompts for pid in p.accounted_ids]
-            chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts)
+            chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts, sampling)
             outcome = self._publisher.publish(chunk.chunk_id, chunk.to_payload(), ids, cursors)
             if outcome.published or not outcome.already_enqueued:
                 if outcome.published:
@@ -204,6 +268,8 @@ class Enqueuer:
         self._save_cursors(cursors)
 
     def _save_cursors(self, cursors: dict[str, int]) -> None:
+        if not cursors:  # a buffer's chunk before its last: the cursor stays
+            return
         # A dict[str, int] is a valid mapping; the stub's Mapping key type is invariant.
         mapping = cast("dict[FieldT, EncodableT]", cursors)
         self._r.hset(keys.job_cursors(self._spec.name), mapping=mapping)

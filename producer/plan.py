@@ -187,9 +187,11 @@ class Plan:
         return "\n".join(lines)
 
     def _turns_text(self) -> str:
+        samples = self.job.spec.samples
+        text = f" ({samples} samples of each)" if samples > 1 else ""
         if self.job.spec.turns != TURNS_ALL:
-            return ""
-        return (
+            return text
+        return text + (
             " (every assistant turn; later turns' prompt tokens are counted without the "
             "target's earlier answers, a lower bound)"
         )
@@ -243,12 +245,14 @@ def build_plan(
         else:
             mean_prompt = scan.prompt_tokens / scan.accepted
             bytes_per_record = model.bytes_per_record(mean_prompt, per_prompt)
+    # Each of a prompt's samples is a request and a record of its own.
+    samples = job.spec.samples
     est = Estimate(
-        prompts=scan.accepted,
+        prompts=scan.accepted * samples,
         output_tokens_per_prompt=per_prompt,
         tokens_per_s=tokens_per_s or defaults.PLAN_TOKENS_PER_S,
         servers=servers,
-        prompt_tokens=scan.prompt_tokens,
+        prompt_tokens=scan.prompt_tokens * samples,
         bytes_per_record=bytes_per_record,
     )
     probe, free = free_space(out)

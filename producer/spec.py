@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from regen.common import chat_family, defaults, id_buckets, keys, tokenizer
+import redis
+
+from regen.common import chat_family, defaults, id_buckets, keys, provenance, tokenizer
+from regen.common import jobspec as jobspecs
 from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, TURNS_LAST, JobSpec
 
 
@@ -30,6 +34,7 @@ class JobOptions:
     context_length: int | None = None
     queue: str | None = None
     turns: str = TURNS_LAST
+    samples: int = 1
     # Prompts with more bytes of text are refused before they are tokenized (None: the
     # most that could fit the job's token limit, see PreparedJob.too_large).
     max_row_bytes: int | None = None
@@ -55,6 +60,8 @@ class PreparedJob:
     tokenizer: Any
     family: chat_family.ChatFamily
     max_row_bytes: int | None = None
+    # What made the job (common/provenance.py), stored when the job is created.
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
     def _bytes_per_token(self) -> int:
@@ -101,6 +108,10 @@ def prepare_job(options: JobOptions) -> PreparedJob:
     template_kwargs = chat_family.template_kwargs(
         family, options.thinking, options.chat_template_kwargs
     )
+    try:
+        model_ref: tokenizer.ModelRef | None = tokenizer.resolve_model(options.model)
+    except tokenizer.ModelNotFound:  # a tokenizer-only source: no metadata to read
+        model_ref = None
     context = options.context_length
     if context is None:
         context = tokenizer.model_context_length(tokenizer.resolve_model(options.model))
@@ -119,7 +130,23 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         context_length=context,
         queue=options.queue or keys.generate_queue(options.job),
         turns=options.turns,
+        samples=options.samples,
         prompt_text=PROMPT_TEXT_AS_WRITTEN,
         id_buckets=id_buckets.bucket_count(options.expected_prompts),
     )
-    return PreparedJob(spec=spec, tokenizer=tok, family=family, max_row_bytes=options.max_row_bytes)
+    made_by = provenance.job_provenance(spec, tok, model_ref.folder if model_ref else None)
+    return PreparedJob(
+        spec=spec,
+        tokenizer=tok,
+        family=family,
+        max_row_bytes=options.max_row_bytes,
+        provenance=made_by,
+    )
+
+
+def save_job(r: redis.Redis, prepared: PreparedJob) -> PreparedJob:
+    """Store a new job's spec and provenance, or check the spec against the stored one
+    (jobspec.save); returns the job with the stored spec, which an existing job keeps."""
+    stored = jobspecs.save(r, prepared.spec)
+    provenance.save(r, prepared.provenance)
+    return dataclasses.replace(prepared, spec=stored)

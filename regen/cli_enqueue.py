@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import click
@@ -72,13 +71,14 @@ def enqueue(
     from regen.common.celery_app import make_app
     from regen.producer.enqueue import Enqueuer, expand_datasets
     from regen.producer.progress import ProgressDisplay, nothing_to_generate, summary
+    from regen.producer.spec import save_job
 
     prepared = prepare_job_or_fail(options)
     url = connection.resolve_url(redis_url)
     r = connection.client(url)
     try:
         # The stored spec: an existing job keeps the prompt-text rule it was made with.
-        prepared = dataclasses.replace(prepared, spec=jobspec.save(r, prepared.spec))
+        prepared = save_job(r, prepared)
     except jobspec.JobSpecMismatch as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(

@@ -7,12 +7,14 @@ can reach it.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import click
 import orjson
 
+from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.consumers.tokenize.shard_files import READ_ERRORS
 from regen.options import redis_url_option
 
@@ -81,29 +83,53 @@ def verify(directory: Path, no_redis: bool, redis_url: str | None) -> None:
     click.echo(f"ok: {len(job_folders(directory))} job(s) verified")
 
 
-def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
-    """Problems of the job folders against the ledgers of a reachable Redis."""
+def _reachable_redis(redis_url: str | None, without: str) -> tuple[Any, str] | None:
+    """A client of the Redis given (--redis-url), else of the embedded one when it runs,
+    and its URL; None, saying so after `without`, when there is none or it does not
+    answer."""
     import redis
 
-    from regen.common import connection, jobspec, settings
+    from regen.common import connection, settings
     from regen.common.embedded_redis import EmbeddedRedis
-    from regen.consumers.tokenize.commit import CommitLedger
-    from regen.ops.reconcile_shards import compare_folder
-    from regen.ops.shards_inspect import Problem, job_folders
 
     url = redis_url or settings.current().redis_url
     embedded = EmbeddedRedis.from_env()
     if url is None and embedded.running():
         url = embedded.url
     if url is None:
-        click.echo("files checked alone: no Redis given (--redis-url) and none embedded running")
-        return []
+        click.echo(f"{without}: no Redis given (--redis-url) and none embedded running")
+        return None
     r = connection.client(url)
     try:
-        jobs = set(jobspec.list_jobs(r))
+        r.ping()
     except redis.ConnectionError as exc:
-        click.echo(f"files checked alone: Redis at {connection.redact(url)} unreachable ({exc})")
+        click.echo(f"{without}: Redis at {connection.redact(url)} unreachable ({exc})")
+        return None
+    return r, url
+
+
+def _dead_letters(r: Any, jobs: list[str]) -> dict[str, Counter[str]]:
+    """The jobs' dead letters by stage, then reason."""
+    from regen.common import dlq, keys
+
+    return {
+        stage: Counter(letter.reason for job in jobs for letter in dlq.entries(r, job, stage))
+        for stage in keys.STAGES
+    }
+
+
+def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
+    """Problems of the job folders against the ledgers of a reachable Redis."""
+    from regen.common import connection, jobspec
+    from regen.consumers.tokenize.commit import CommitLedger
+    from regen.ops.reconcile_shards import compare_folder
+    from regen.ops.shards_inspect import Problem, job_folders
+
+    reachable = _reachable_redis(redis_url, "files checked alone")
+    if reachable is None:
         return []
+    r, url = reachable
+    jobs = set(jobspec.list_jobs(r))
     problems = []
     for folder in job_folders(directory):
         if folder.name not in jobs:
@@ -152,11 +178,19 @@ def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
     help="Records longer than this many tokens are dropped (or cut, with --truncate).",
 )
 @click.option(
-    "--truncate/--drop",
-    default=False,
+    "--truncate",
+    is_flag=True,
+    help="Cut records over --max-length to it instead of dropping them (dropping is the "
+    "default: a cut answer loses its end-of-turn token).",
+)
+@click.option(
+    "--drop",
+    "drop_flags",
+    default=",".join(DEFAULT_DROP_FLAGS),
     show_default=True,
-    help="Over --max-length: cut the record to it, or drop it. Dropping is the default: "
-    "a cut answer loses its end-of-turn token.",
+    help="Comma-separated quality flags whose records are left out, or `none`: "
+    f"{', '.join(FLAGS)}. Truncated answers are kept by default: every token is still "
+    "the target's own.",
 )
 @click.option(
     "--min-loss-tokens",
@@ -179,6 +213,8 @@ def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
     type=click.Path(path_type=Path),
     help="Where the held-out records go (default: OUT with .heldout before its suffix).",
 )
+@click.option("--no-redis", is_flag=True, help="Read the files alone (no dead-letter counts).")
+@redis_url_option
 def export(
     directory: Path,
     fmt: str,
@@ -186,16 +222,22 @@ def export(
     jobs: str,
     max_length: int | None,
     truncate: bool,
+    drop_flags: str,
     min_loss_tokens: int,
     shuffle: bool,
     seed: int,
     heldout: float,
     split_out: Path | None,
+    no_redis: bool,
+    redis_url: str | None,
 ) -> None:
-    """Write the records as files training tools read; prints a one-line summary."""
+    """Write the records as files training tools read; prints a one-line summary.
+
+    Each output carries the jobs' provenance; `--format hf` writes a dataset card
+    (README.md) too, with the jobs' dead letters when their Redis is reachable."""
     # Checked by ExportOptions, which knows the formats: importing them here would load
     # pyarrow on every `regen` command.
-    from regen.ops.export import ExportError, ExportOptions
+    from regen.ops.export import ExportError, ExportOptions, select_jobs
     from regen.ops.export import export as export_records
 
     try:
@@ -204,11 +246,20 @@ def export(
             jobs=tuple(name for name in jobs.split(",") if name),
             max_length=max_length,
             truncate=truncate,
+            drop_flags=tuple(flag for flag in drop_flags.split(",") if flag not in ("", "none")),
             min_loss_tokens=min_loss_tokens,
             seed=seed if shuffle else None,
             heldout=heldout,
         )
-        summary = export_records(directory, out, options, heldout_out=split_out)
+        dead_letters = None
+        if fmt == "hf" and not no_redis:
+            reachable = _reachable_redis(redis_url, "the dataset card counts no dead letters")
+            if reachable is not None:
+                names = [job.name for job in select_jobs(directory, options.jobs)]
+                dead_letters = _dead_letters(reachable[0], names)
+        summary = export_records(
+            directory, out, options, heldout_out=split_out, dead_letters=dead_letters
+        )
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc
     except _UNREADABLE as exc:

@@ -29,7 +29,7 @@ from regen.ops.accounting import count_places
 from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer
 from regen.producer.progress import ProgressDisplay, summary
-from regen.producer.spec import JobOptions, prepare_job
+from regen.producer.spec import JobOptions, prepare_job, save_job
 from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.
@@ -114,7 +114,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
     )
 
     prepared = prepare_job(options.job)
-    spec = jobspec.save(r, prepared.spec)
+    prepared = save_job(r, prepared)
+    spec = prepared.spec
     with ProgressDisplay() as show:
         enqueuer = Enqueuer(
             r, make_app(url), prepared, high_water=HIGH_WATER_CHUNKS, on_progress=show

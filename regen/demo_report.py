@@ -38,11 +38,63 @@ def show_summary(
         "shards",
         f"{len(manifest)} in {folder} ({sum(i.compressed_bytes for i in manifest.values())} bytes)",
     )
-    for stage in keys.STAGES:
-        reasons = Counter(letter.reason for letter in dlq.entries(r, spec.name, stage))
+    letters = {
+        stage: Counter(letter.reason for letter in dlq.entries(r, spec.name, stage))
+        for stage in keys.STAGES
+    }
+    for stage, reasons in letters.items():
         if reasons:
             table.add_row(f"DLQ {stage}", ", ".join(f"{k}: {v}" for k, v in reasons.items()))
     console.print(table)
+    flagged: Counter[str] = Counter()
+    for info in manifest.values():
+        flagged.update(info.flags)
+    for line in outcome(spec, records, flagged, letters):
+        console.print(line)
+
+
+# What each quality flag and dead-letter reason means, in a newcomer's words.
+FLAG_WORDS = {
+    "truncated": "the answer reached max_new_tokens ({max_new_tokens} here) and was cut; "
+    "kept, since every token is still the model's own",
+    "empty": "the model answered nothing",
+    "thinking_only": "the model thought but gave no answer",
+    "repetition": "the answer ends in a loop",
+    "bad_tool_call": "a tool call that does not parse, or names a tool not offered",
+}
+REASON_WORDS = {
+    "empty_content": "a row with an empty message; the sample holds one on purpose",
+    "rejected_by_server": "the server refused the prompt (e.g. longer than its context)",
+    "prompt_too_long": "the prompt does not fit the context with max_new_tokens",
+    "truncated": "cut at max_new_tokens (this tokenize worker runs --on-truncated dlq)",
+}
+
+
+def outcome(
+    spec: jobspec.JobSpec,
+    records: int,
+    flagged: Counter[str],
+    letters: dict[str, Counter[str]],
+) -> list[str]:
+    """Where every prompt ended, and why, in words."""
+    max_new_tokens = spec.sampling.get("max_new_tokens")
+    lines = [
+        "[bold green]Done: every prompt is accounted for.[/]",
+        f"  {records} written as training records.",
+    ]
+    for flag, n in sorted(flagged.items()):
+        words = FLAG_WORDS.get(flag, "").format(max_new_tokens=max_new_tokens)
+        lines.append(f"    {n} of them flagged {flag}: {words}.")
+    if flagged:
+        lines.append(
+            "    Flags let a trainer choose: `regen shards export` leaves out every flag "
+            "but truncated by default (--drop)."
+        )
+    for stage, reasons in letters.items():
+        for reason, n in sorted(reasons.items()):
+            words = REASON_WORDS.get(reason, "see `regen dlq list`")
+            lines.append(f"  {n} in the {stage} dead-letter queue as {reason}: {words}.")
+    return lines
 
 
 def show_record(console: Console, folder: Path, tokenizer: Any) -> None:

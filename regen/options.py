@@ -182,6 +182,13 @@ TARGET = (
         help="Regenerate the last assistant turn, on the dataset's history, or every "
         "turn in order, each on the target's own earlier answers (one record a turn).",
     ),
+    click.option(
+        "--samples",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Answers per prompt, each with its own seed (ids PROMPT-s0, PROMPT-s1, ...).",
+    ),
 )
 
 

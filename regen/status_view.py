@@ -44,6 +44,12 @@ def _reasons(by_stage: dict[str, dict[str, int]]) -> str:
     return " · ".join(parts) or "none"
 
 
+def _flagged(flagged: dict[str, int], done: int) -> str:
+    """Committed records with each quality flag, and their share of what is done."""
+    parts = [f"{flag} {n:,} ({100 * n / done:.1f}%)" for flag, n in flagged.items() if n and done]
+    return " · ".join(parts) or "none"
+
+
 def job_table(job: dict[str, Any]) -> Table:
     p = job["prompts"]
     done_pct = f" ({100 * p['done'] / p['total']:.1f}%)" if p["total"] else ""
@@ -79,6 +85,7 @@ def job_table(job: dict[str, Any]) -> Table:
     where = f" in {shards['dir']} on {shards['host']}" if shards["dir"] else ""
     free = f" · {decimal(shards['free_bytes'])} free" if shards["free_bytes"] is not None else ""
     table.add_row("shards", f"{shards['count']:,} · {decimal(shards['bytes'])}{where}{free}")
+    table.add_row("flagged records", _flagged(job["committed"]["flagged"], p["done"]))
     table.add_row("dead letters", _reasons(job["dead_letters"]))
     if job["dead_letters_without_prompt"]:
         other = job["dead_letters_without_prompt"]

@@ -45,9 +45,11 @@ def check_output(stdout: str, folder: Path) -> None:
     records = [r for shard in shard_paths(folder) for r in iter_records(shard)]
     assert records
     for record in records:
-        assert record["loss_mask"][-1] == 1 and record["finish_reason"] == "stop"
-    # The two tool-use rows render with their tools; each answers its tool's result (one
-    # may be cut by max_new_tokens and dead-lettered like any other answer).
+        assert record["loss_mask"][-1] == 1
+        # An answer cut by the demo's small max_new_tokens is kept, flagged.
+        assert (record["finish_reason"] == "length") == ("truncated" in record["flags"])
+    assert "Done: every prompt is accounted for." in stdout
+    # The two tool-use rows render with their tools; each answers its tool's result.
     tool_records = [record for record in records if "tools" in record]
     assert 1 <= len(tool_records) <= 2
     for record in tool_records:

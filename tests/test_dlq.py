@@ -126,7 +126,7 @@ def test_reason_codes_are_the_strings_stored_in_redis(r: redis.Redis) -> None:
     assert [code.value for code in TokenizeReason] == [
         "aborted", "unknown_finish_reason", "count_mismatch", "stop_mismatch",
         "text_mismatch", "truncated", "truncated_dropped", "unexpected_thinking",
-        "missing_thinking", "unclosed_thinking", "empty_answer", "render_failed",
+        "missing_thinking", "unclosed_thinking", "render_failed",
     ]  # fmt: skip
     letter = dataclasses.replace(generate_letter(1), reason=GenerateReason.POISON_CHUNK)
     plant(r, [letter])

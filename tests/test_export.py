@@ -157,6 +157,53 @@ def test_hf_loads_with_load_from_disk(out_dir: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "out"]  # no scratch left
 
 
+def test_hf_has_a_dataset_card_with_provenance(out_dir: Path, tmp_path: Path) -> None:
+    from collections import Counter
+
+    from huggingface_hub import DatasetCard
+
+    made_by = {"job": "job-a", "model": "kimi-k2.6", "regen_version": "0.1.0",
+               "chat_template_sha256": "abc123",
+               "effective_sampling": {"temperature": 1.0}}  # fmt: skip
+    (out_dir / "job-a" / "provenance.json").write_bytes(orjson.dumps(made_by))
+    flagged = records("z", 3, "job-a", seed=9)
+    for record in flagged:
+        record["flags"], record["finish_reason"] = ["truncated"], "length"
+    write_shard(out_dir / "job-a", 3, flagged)
+    out = tmp_path / "ds"
+    letters = {"input": Counter(), "generate": Counter({"rejected_by_server": 2}),
+               "tokenize": Counter()}  # fmt: skip
+    export(out_dir, out, ExportOptions(format="hf", heldout=0.2), dead_letters=letters)
+
+    card = DatasetCard.load(out / "README.md")
+    assert card.data.dataset_info["splits"][0]["name"] == "train"
+    written = datasets.load_from_disk(str(out))
+    assert card.data.dataset_info["splits"][0]["num_examples"] == len(written) > 0
+    assert [f["name"] for f in card.data.dataset_info["features"]] == written.column_names
+    assert card.data.license == "unknown"  # the user's to fill
+    text = card.text
+    assert f"| records | {len(written):,} |" in text
+    assert f"| flagged `truncated` (kept) | {written['flags'].count(['truncated'])} |" in text
+    assert "| generate | `rejected_by_server` | 2 |" in text
+    assert "| chat template sha256 | `abc123` |" in text and "kimi-k2.6" in text
+    assert (out / "answer_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert orjson.loads((out / "provenance.json").read_bytes()) == {"jobs": [made_by]}
+    # The header's config points at the same rows (what the Hub's viewer reads once the
+    # folder is uploaded; datasets itself sends a save_to_disk folder to load_from_disk).
+    (config,) = card.data.configs
+    (files,) = config["data_files"]
+    loaded = datasets.load_dataset("arrow", data_files=str(out / files["path"]), split="train")
+    assert files["split"] == "train" and ids_and_masks(loaded) == ids_and_masks(written)
+    # The held-out folder has its own card; a file export carries provenance beside it.
+    heldout = DatasetCard.load(tmp_path / "ds.heldout" / "README.md")
+    assert heldout.data.dataset_info["splits"][0]["num_examples"] == len(
+        datasets.load_from_disk(str(tmp_path / "ds.heldout"))
+    )
+    export(out_dir, tmp_path / "sf.jsonl", ExportOptions(format="specforge"))
+    sidecar = orjson.loads((tmp_path / "sf.jsonl.provenance.json").read_bytes())
+    assert sidecar == {"jobs": [made_by]}
+
+
 def test_hf_with_every_record_dropped_loads_empty(out_dir: Path, tmp_path: Path) -> None:
     summary = export(out_dir, tmp_path / "ds", ExportOptions(format="hf", min_loss_tokens=99))
     assert (summary.written, summary.dropped["few_loss_tokens"]) == (0, 75)
@@ -376,3 +423,41 @@ def test_10k_records_round_trip_with_flat_memory(
     assert hf_peak < data_bytes / 4, (hf_peak, data_bytes)
     # Arrow's own allocations (outside tracemalloc's view): the batches, never the data.
     assert pa.default_memory_pool().max_memory() < data_bytes / 4
+
+
+def test_flagged_records_are_dropped_by_flag(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    flags = [[], ["empty"], ["truncated"], ["truncated", "repetition"], ["bad_tool_call"],
+             ["thinking_only", "truncated"], []]  # fmt: skip
+    rows = records("f", len(flags), "job-f", seed=5)
+    for record, flagged in zip(rows, flags, strict=True):
+        record["flags"] = flagged
+    write_shard(out / "job-f", 1, rows)
+
+    # By default every flag but `truncated` drops: truncated answers are still on-policy.
+    summary = export(out, tmp_path / "sf.jsonl", ExportOptions(format="specforge"))
+    assert [row["id"] for row in load_specforge(tmp_path / "sf.jsonl")] == ["f0", "f2", "f6"]
+    assert dict(summary.dropped) == {"flagged": 4}
+    assert dict(summary.flagged) == {"empty": 1, "repetition": 1, "bad_tool_call": 1,
+                                     "thinking_only": 1}  # fmt: skip
+    assert "dropped 4 (flagged 4); dropped by flag: bad_tool_call 1, empty 1, " in summary.line()
+
+    result = CliRunner().invoke(
+        shards_group,
+        ["export", str(out), "--format", "specforge", "--out", str(tmp_path / "t.jsonl"),
+         "--drop", "truncated"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [row["id"] for row in load_specforge(tmp_path / "t.jsonl")] == ["f0", "f1", "f4", "f6"]
+    assert "dropped by flag: truncated 3" in result.output
+    result = CliRunner().invoke(
+        shards_group,
+        ["export", str(out), "--format", "specforge", "--out", str(tmp_path / "n.jsonl"),
+         "--drop", "none"],
+    )  # fmt: skip
+    assert len(load_specforge(tmp_path / "n.jsonl")) == len(flags)
+    result = CliRunner().invoke(
+        shards_group,
+        ["export", str(out), "--out", str(tmp_path / "x.jsonl"), "--drop", "loops"],
+    )
+    assert result.exit_code != 0 and "unknown quality flag loops" in result.output

@@ -185,15 +185,42 @@ def test_counts_must_agree(kimi: RecordContext) -> None:
     assert failure(make_result(kimi, output, prompt_tokens=3), kimi) == Reason.COUNT_MISMATCH
 
 
-def test_unclosed_thinking_on_stop(kimi: RecordContext) -> None:
+def test_thinking_that_never_closes_is_a_flagged_record(kimi: RecordContext) -> None:
     output = ids(kimi.tokenizer, "Let me think. The answer is 4.", IM_END)
-    assert failure(make_result(kimi, output), kimi) == Reason.UNCLOSED_THINKING
+    record = build_record(make_result(kimi, output), kimi)
+    assert record["flags"] == ["thinking_only"]
+    assert record["messages"][-1] == {
+        "role": "assistant", "content": "", "reasoning_content": "Let me think. The answer is 4.",
+    }  # fmt: skip
+    assert record["input_ids"][-len(output) :] == output
 
 
 @pytest.mark.parametrize("answer", ["", "  \n"])
-def test_empty_answer(kimi: RecordContext, answer: str) -> None:
+def test_no_answer_after_thinking_is_flagged(kimi: RecordContext, answer: str) -> None:
     output = ids(kimi.tokenizer, "Let me think.", THINK_END, *([answer] if answer else []), IM_END)
-    assert failure(make_result(kimi, output), kimi) == Reason.EMPTY_ANSWER
+    assert build_record(make_result(kimi, output), kimi)["flags"] == ["thinking_only"]
+
+
+def test_an_empty_turn_is_flagged_empty(kimi_tokenizer: Any) -> None:
+    ctx = make_ctx(kimi_tokenizer, chat_template_kwargs={"thinking": False})
+    record = build_record(make_result(ctx, [IM_END]), ctx)
+    assert record["flags"] == ["empty"] and record["completion_tokens"] == 1
+
+
+def test_a_clean_answer_has_no_flags(kimi: RecordContext) -> None:
+    output = ids(kimi.tokenizer, "Let me think.", THINK_END, "The answer is 4.", IM_END)
+    assert build_record(make_result(kimi, output), kimi)["flags"] == []
+
+
+def test_an_answer_that_ends_in_a_loop_is_flagged(kimi_tokenizer: Any) -> None:
+    ctx = make_ctx(kimi_tokenizer, on_truncated="keep")
+    loop = ids(kimi_tokenizer, " and then we check it again") * 20
+    output = ids(kimi_tokenizer, "Let me think.", THINK_END, "So") + loop
+    record = build_record(make_result(ctx, output, finish={"type": "length"}), ctx)
+    assert record["flags"] == ["truncated", "repetition"]
+    # The same words said twice are no loop.
+    twice = ids(kimi_tokenizer, "Let me think.", THINK_END, "So") + loop[: 2 * len(loop) // 20]
+    assert build_record(make_result(ctx, [*twice, IM_END]), ctx)["flags"] == []
 
 
 # --- truncation ------------------------------------------------------------------------
@@ -217,6 +244,7 @@ def test_truncated_keep(kimi_tokenizer: Any) -> None:
     }  # fmt: skip
     # The re-rendering closes the turn; over the record's own length it agrees.
     assert record["drift"] is False
+    assert record["flags"] == ["thinking_only", "truncated"]
 
 
 def test_truncated_drop_and_dlq(kimi_tokenizer: Any) -> None:
@@ -423,9 +451,17 @@ def test_calls_that_do_not_parse_or_were_not_offered_stay_text(kimi: RecordConte
     bad = kimi_call(kimi.tokenizer, '{"city": Paris}', "Hm.", THINK_END, "Checking.")
     unoffered = kimi_call(kimi.tokenizer, '{"city": "Paris"}', "Hm.", THINK_END, "Checking.")
     for result in (tool_result(kimi, bad), make_result(kimi, unoffered)):
-        assistant = build_record(result, kimi)["messages"][-1]
+        record = build_record(result, kimi)
+        assistant = record["messages"][-1]
         assert "tool_calls" not in assistant
         assert assistant["content"] == result.text.split("</think>")[1]
+        assert record["flags"] == ["bad_tool_call"]
+    # A call that parses but names a tool the prompt did not offer.
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    called = kimi_call(kimi.tokenizer, '{"city": "Paris"}', "Hm.", THINK_END, "Checking.")
+    record = build_record(tool_result(kimi, called, tools=other), kimi)
+    assert record["flags"] == ["bad_tool_call"]
+    assert build_record(tool_result(kimi, called), kimi)["flags"] == []
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,17 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from rich.console import Console
 
-from regen.common import dlq, jobspec, keys
+from regen.common import dlq, jobspec, keys, provenance
+from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.ops.shards_inspect import verify
+from regen.ops.status_snapshot import job_status
 from regen.producer.spec import JobOptions, prepare_job
+from regen.status_view import job_table
 from tests.helpers import committed_count, make_result, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,3 +280,31 @@ def test_an_unwritable_out_folder_is_one_clear_line(redis_url: str, tmp_path: Pa
     assert (
         done.stderr.strip() == f"Error: cannot write shards to {blocker / 'out'}: Not a directory"
     )
+
+
+def test_quality_flags_are_counted_once_per_committed_record(
+    r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: Path
+) -> None:
+    loop = " and so on" * 40
+    answers = ["", "", "", f"Counting{loop}", f"Counting{loop}"] + [None] * 25
+    results = [make_result(smollm2_tokenizer, spec, i, answer) for i, answer in enumerate(answers)]
+    push(r, results)
+    push(r, results[:10])  # delivered again: still one record and one count each
+    made_by = {"job": "t", "model": "smollm2", "regen_version": "test"}
+    provenance.save(r, made_by)
+    with InProcess(r, options(out), "c1"):
+        wait_for(lambda: settled(r, "t", 30), what="all results committed")
+
+    flagged = CommitLedger(r, "t").totals().flags
+    assert flagged == {"empty": 3, "thinking_only": 0, "truncated": 0, "repetition": 2,
+                       "bad_tool_call": 0}  # fmt: skip
+    manifests = Counter[str]()
+    for info in read_manifest(out / "t").shards.values():
+        manifests.update(info.flags)
+    assert dict(manifests) == {"empty": 3, "repetition": 2}
+    assert provenance.read_file(out / "t") == made_by  # beside the shards
+    status = job_status(r, spec, [], window_s=60)
+    assert status["committed"]["flagged"] == flagged
+    console = Console(width=200, record=True)
+    console.print(job_table(status))
+    assert "empty 3 (10.0%) · repetition 2 (6.7%)" in console.export_text()

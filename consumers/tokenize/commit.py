@@ -36,6 +36,7 @@ import redis
 from regen.common import jobspec, keys, settings
 from regen.common.connection import bytes_hash
 from regen.common.id_buckets import BucketedIds
+from regen.common.quality_flags import FLAGS
 from regen.consumers.tokenize.shard_files import shard_name, shard_number
 
 # A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
@@ -93,6 +94,11 @@ local function record(shard, row, group, e_first, e_last, i_first, i_last)
     local tokens = redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_OUTPUT_TOKENS}',
                               info['completion_tokens'])
     redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_SHARD_BYTES}', info['compressed_bytes'])
+    if type(info['flags']) == 'table' then
+      for flag, n in pairs(info['flags']) do
+        redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_FLAG_PREFIX}' .. flag, n)
+      end
+    end
     local t = redis.call('TIME')
     local sample = string.format('[%s.%06d,%d,%d]', t[1], tonumber(t[2]), prompts, tokens)
     redis.call('LPUSH', KEYS[7], sample)
@@ -229,6 +235,7 @@ class CommitTotals:
     shard_bytes: int
     samples: list[Sample]  # taken at each shard commit, oldest first
     now: Sample  # the committed totals now
+    flags: dict[str, int]  # committed records with each quality flag
 
 
 class CommitLedger:
@@ -374,12 +381,16 @@ class CommitLedger:
         pipe.hlen(keys.shards(job))
         pipe.lrange(keys.job_progress(job), 0, -1)
         fields = [keys.COMMITTED_PROMPTS, keys.COMMITTED_OUTPUT_TOKENS, keys.COMMITTED_SHARD_BYTES]
-        pipe.hmget(keys.job_counters(job), fields)
+        flag_fields = [keys.COMMITTED_FLAG_PREFIX + flag for flag in FLAGS]
+        pipe.hmget(keys.job_counters(job), fields + flag_fields)
         pipe.time()
-        shards, raw_samples, (prompts, tokens, shard_bytes), (secs, micros) = pipe.execute()
+        shards, raw_samples, counters, (secs, micros) = pipe.execute()
+        prompts, tokens, shard_bytes = counters[: len(fields)]
+        flagged = counters[len(fields) :]
         return CommitTotals(
             shards=shards,
             shard_bytes=int(shard_bytes or 0),
             samples=[Sample(*orjson.loads(raw)) for raw in reversed(raw_samples)],
             now=Sample(secs + micros / 1e6, int(prompts or 0), int(tokens or 0)),
+            flags={flag: int(n or 0) for flag, n in zip(FLAGS, flagged, strict=True)},
         )

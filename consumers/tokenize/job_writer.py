@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from regen.common import crashpoints, defaults, dlq, keys
+from regen.common import crashpoints, defaults, dlq, keys, provenance
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
@@ -102,6 +102,10 @@ class JobWriter:
         # shard starts epoch 1.
         epoch = ensure_current(self._ledger, job, folder, manifest_epoch(folder))
         self._epoch = epoch or self._ledger.start_epoch()
+        # The job's provenance beside its shards, so the folder says what made it.
+        made_by = provenance.load(r, job)
+        if made_by is not None:
+            provenance.write_file(folder, made_by)
 
     @property
     def stream(self) -> str:

@@ -1,9 +1,10 @@
 """One generated result to one training record, checked on the way.
 
-A record (one JSON line in a shard, schema `regen.record/2`):
+A record (one JSON line in a shard, schema `regen.record/3`):
 
-- `schema`: "regen.record/2"; bumped whenever a field changes meaning, goes away or is
-  added. Version 1 records (no `conversation_id`, `turn`) stay valid.
+- `schema`: "regen.record/3"; bumped whenever a field changes meaning, goes away or is
+  added. Older records stay valid: version 2 has no `flags`, version 1 no
+  `conversation_id` and `turn` either.
 - `id`: the prompt id (stable, derived from the prompt's content); unique within a job.
   With `--turns all`, the turn's id, `<conversation_id>-<turn>`.
 - `conversation_id`, `turn`: with `--turns all`, the conversation and which of its
@@ -26,7 +27,9 @@ A record (one JSON line in a shard, schema `regen.record/2`):
   token (the end-of-turn token included).
 - `prompt_tokens`, `completion_tokens`: how many of `input_ids` are prompt and output.
 - `finish_reason`: "stop" (a stop token or string ended the turn) or "length"
-  (max_new_tokens or the context ran out; kept only with `on_truncated=keep`).
+  (max_new_tokens or the context ran out; kept with `on_truncated=keep`, the default).
+- `flags`: how the answer went, for a trainer to filter on (common/quality.py):
+  `empty`, `thinking_only`, `truncated`, `repetition`, `bad_tool_call`; [] when clean.
 - `sampling`: the SGLang sampling params sent: the job spec's, with a requeued chunk's
   overrides (`regen dlq requeue --set`) merged over them.
 - `chat_template_kwargs`: the template kwargs the prompt was rendered with.
@@ -57,10 +60,11 @@ from regen.common.chat_family import (
 from regen.common.dlq import ReasonCode, Refused
 from regen.common.jobspec import JobSpec
 from regen.common.output_calls import turn_calls
+from regen.common.quality import quality_flags
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.drift import cut_ids, drift_at, first_difference
 
-RECORD_SCHEMA = "regen.record/2"
+RECORD_SCHEMA = "regen.record/3"
 # Field -> accepted JSON types, for readers that validate (shards verify).
 _V1_FIELDS: dict[str, tuple[type, ...]] = {
     "schema": (str,), "id": (str,), "job": (str,), "model": (str,), "messages": (list,),
@@ -69,9 +73,14 @@ _V1_FIELDS: dict[str, tuple[type, ...]] = {
     "chat_template_kwargs": (dict,), "source": (dict,), "drift": (bool, type(None)),
     "drift_at": (int, type(None)), "server": (str,), "generated_by": (str,),
 }  # fmt: skip
-RECORD_FIELDS = {**_V1_FIELDS, "conversation_id": (str, type(None)), "turn": (int, type(None))}
+_V2_FIELDS = {**_V1_FIELDS, "conversation_id": (str, type(None)), "turn": (int, type(None))}
+RECORD_FIELDS = {**_V2_FIELDS, "flags": (list,)}
 # Every schema a valid record may have, with its fields: older shards stay readable.
-RECORD_SCHEMAS = {"regen.record/1": _V1_FIELDS, RECORD_SCHEMA: RECORD_FIELDS}
+RECORD_SCHEMAS = {
+    "regen.record/1": _V1_FIELDS,
+    "regen.record/2": _V2_FIELDS,
+    RECORD_SCHEMA: RECORD_FIELDS,
+}
 # Fields a record has only in some cases, with their types.
 OPTIONAL_RECORD_FIELDS: dict[str, tuple[type, ...]] = {"tools": (list,), "tool_results": (str,)}
 FINISH_REASONS = frozenset({"stop", "length"})
@@ -92,8 +101,9 @@ class Reason(ReasonCode):
     TRUNCATED_DROPPED = "truncated_dropped"  # not dead-lettered: the stage notes the id only
     UNEXPECTED_THINKING = "unexpected_thinking"
     MISSING_THINKING = "missing_thinking"
+    # The output ids close the think span but the text does not (the tags are special
+    # tokens the server's decode skipped): the split cannot be trusted.
     UNCLOSED_THINKING = "unclosed_thinking"
-    EMPTY_ANSWER = "empty_answer"
     RENDER_FAILED = "render_failed"  # the template cannot re-render its own output
 
 
@@ -154,7 +164,12 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         raise CheckFailed(reason, f"cut at {len(result.output_ids)} tokens (finish length)")
     _check_text(result, ctx, finish, matched)
     text, calls = _tool_calls(result, ctx)
-    reasoning, answer = _split(result, ctx, finish, text, has_calls=calls is not None)
+    reasoning, answer = _split(result, ctx, finish, text)
+    body_ids = result.output_ids[:-1] if _is_token(matched) else result.output_ids
+    flags = quality_flags(
+        ctx.family, finish=finish, body_ids=body_ids, reasoning=reasoning, answer=answer,
+        calls=calls, tools=result.tools,
+    )  # fmt: skip
 
     messages = [*result.messages, assistant_message(reasoning, answer, calls)]
     input_ids = result.prompt_ids + result.output_ids
@@ -180,6 +195,7 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "generated_by": result.worker,
         "conversation_id": result.conversation_id,
         "turn": result.turn,
+        "flags": flags,
     }
     if result.tools:
         record["tools"] = result.tools
@@ -280,10 +296,12 @@ def _tool_calls(
 
 
 def _split(
-    result: GeneratedResult, ctx: RecordContext, finish: str, text: str, *, has_calls: bool
+    result: GeneratedResult, ctx: RecordContext, finish: str, text: str
 ) -> tuple[str | None, str]:
     """(reasoning, answer) of `text`, after checking the output thinks as the job says it
-    should; a turn that calls tools may have no answer text."""
+    should. A turn that thought and stopped without closing its span, or left no answer,
+    is a record with a quality flag; only a text that lost a span the ids close is
+    refused."""
     family = ctx.family
     opened = family.think_open_id is not None and prompt_opens_think(family, result.prompt_ids)
     thinking = ctx.thinking
@@ -303,16 +321,13 @@ def _split(
             raise CheckFailed(
                 Reason.MISSING_THINKING, "thinking is on but the output has no think span"
             )
-        if state is ThinkState.UNCLOSED:
+        if state is ThinkState.UNCLOSED and family.think_close_id in result.output_ids:
             raise CheckFailed(
                 Reason.UNCLOSED_THINKING,
-                f"the turn ended inside its think span ({family.think_close} missing)",
+                f"the output ids close the think span but the server's text has no "
+                f"{family.think_close} (is it a special token the decode skips?)",
             )
-    reasoning, answer = split_reasoning(family, text, opened_in_prompt=opened)
-    # Whitespace alone is no answer to train on either.
-    if finish == "stop" and not answer.strip() and not has_calls:
-        raise CheckFailed(Reason.EMPTY_ANSWER, f"no answer after the split ({len(answer)} chars)")
-    return reasoning, answer
+    return split_reasoning(family, text, opened_in_prompt=opened)
 
 
 def _drift_at(

@@ -23,8 +23,9 @@ import hashlib
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -134,6 +135,8 @@ class ShardInfo:
     # The job's ledger epoch (keys.job_epoch) when the shard was written; 0 in manifests
     # written before epochs existed.
     epoch: int = 0
+    # Records with each quality flag (common/quality.py); empty in older manifests.
+    flags: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -156,6 +159,7 @@ class OpenShard:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.uncompressed_bytes = 0
+        self.flags: Counter[str] = Counter()
         self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
         self._hash = hashlib.sha256()
         # zstandard only calls write() and flush() on it; its stub asks for a whole IO[bytes].
@@ -170,6 +174,7 @@ class OpenShard:
         self.prompt_tokens += int(record["prompt_tokens"])
         self.completion_tokens += int(record["completion_tokens"])
         self.uncompressed_bytes += len(line)
+        self.flags.update(record.get("flags", ()))
 
     def age_s(self) -> float:
         return time.monotonic() - self.opened
@@ -191,6 +196,7 @@ class OpenShard:
             sha256=self._hash.hexdigest(),
             created=time.time(),
             epoch=self.epoch,
+            flags=dict(self.flags),
         )
 
     def abort(self) -> None:
@@ -335,11 +341,13 @@ def describe(path: Path, epoch: int) -> ShardInfo:
     """A manifest line rebuilt from a shard in place (recovery after a crash mid-append);
     `epoch`: the ledger epoch to record, which the file itself does not hold."""
     rows = prompt_tokens = completion_tokens = uncompressed = 0
+    flags: Counter[str] = Counter()
     for record in iter_records(path):
         rows += 1
         prompt_tokens += int(record["prompt_tokens"])
         completion_tokens += int(record["completion_tokens"])
         uncompressed += len(orjson.dumps(record)) + 1
+        flags.update(record.get("flags", ()))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ShardInfo(
         shard=path.name,
@@ -351,4 +359,5 @@ def describe(path: Path, epoch: int) -> ShardInfo:
         sha256=digest,
         created=path.stat().st_mtime,
         epoch=epoch,
+        flags=dict(flags),
     )

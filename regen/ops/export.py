@@ -3,11 +3,12 @@
 Formats (rows and files in export_sinks): `conversations` (text JSONL), `specforge`
 (ids and mask JSONL), `speculators` (ids, mask and metadata JSONL) and `hf` (a `datasets`
 folder). What is exported, in this order: the records of the jobs chosen (all by
-default); less those longer than `max_length` (dropped, or cut to it with `truncate`);
-less those with fewer than `min_loss_tokens` trained tokens; split into a held-out set by
-id; shuffled by a seed. Records are read once and streamed, and the shuffle spills to
-disk (export_order), so memory stays flat however many records there are.
-"""
+default); less those with a quality flag in `drop_flags` (common/quality.py; by default
+every flag but `truncated`); less those longer than `max_length` (dropped, or cut to it
+with `truncate`); less those with fewer than `min_loss_tokens` trained tokens; split into
+a held-out set by id; shuffled by a seed. Records are read once and streamed, and the
+shuffle spills to disk (export_order), so memory stays flat however many records there
+are."""
 
 from __future__ import annotations
 
@@ -19,9 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from regen.common import provenance
+from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
+from regen.common.samples import prompt_unit
 from regen.consumers.tokenize.shard_files import read_manifest
+from regen.ops.dataset_card import ExportedStats, write_card
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
-from regen.ops.export_sinks import FORMATS, ExportError, Row, Shape, Sink
+from regen.ops.export_sinks import (
+    FORMATS,
+    TOKEN_SCHEMA,
+    ExportError,
+    Row,
+    Shape,
+    Sink,
+    require_datasets,
+)
 from regen.ops.shards_inspect import job_folders, job_records
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
@@ -34,6 +49,7 @@ _SPECULATORS_SUFFIXES = (".jsonl", ".json")
 class Dropped:
     """Why a record is not exported: the summary's reasons."""
 
+    FLAGGED = "flagged"  # by flag in ExportSummary.flagged
     TOO_LONG = "too_long"
     FEW_LOSS_TOKENS = "few_loss_tokens"
 
@@ -44,6 +60,7 @@ class ExportOptions:
     jobs: tuple[str, ...] = ()  # names of the job folders to merge; all when empty
     max_length: int | None = None
     truncate: bool = False  # a record over max_length is cut to it instead of dropped
+    drop_flags: tuple[str, ...] = DEFAULT_DROP_FLAGS  # records with any of these are left out
     min_loss_tokens: int = 0
     seed: int | None = None  # shuffle with this seed; None keeps shard order
     heldout: float = 0.0  # fraction of records held out, into a second file or folder
@@ -58,6 +75,11 @@ class ExportOptions:
             raise ExportError("--truncate cuts records to --max-length, which is not set")
         if self.truncate and self.format == "conversations":
             raise ExportError("--truncate: conversations rows are text, with no ids to cut")
+        unknown = [flag for flag in self.drop_flags if flag not in FLAGS]
+        if unknown:
+            raise ExportError(
+                f"unknown quality flag {', '.join(unknown)}; known: {', '.join(FLAGS)}"
+            )
         if self.min_loss_tokens < 0:
             raise ExportError(f"min_loss_tokens must be 0 or more, not {self.min_loss_tokens}")
         if not 0 <= self.heldout < 1:
@@ -72,6 +94,12 @@ class ExportSummary:
     held_out: int = 0  # to `heldout_out`
     cut: int = 0  # written, but cut to max_length
     dropped: Counter[str] = field(default_factory=Counter)  # by Dropped reason
+    # The records dropped for their flags, by flag (one with two counts under both).
+    flagged: Counter[str] = field(default_factory=Counter)
+    # What the written and the held-out records hold (for the hf dataset card).
+    stats: tuple[ExportedStats, ExportedStats] = field(
+        default_factory=lambda: (ExportedStats(), ExportedStats())
+    )
 
     def line(self) -> str:
         parts = [f"wrote {self.written:,} records to {self.out}"]
@@ -79,6 +107,9 @@ class ExportSummary:
             parts.append(f"{self.held_out:,} held out to {self.heldout_out}")
         reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(self.dropped.items()))
         parts.append(f"dropped {self.dropped.total():,}" + (f" ({reasons})" if reasons else ""))
+        if self.flagged:
+            flags = ", ".join(f"{flag} {n:,}" for flag, n in sorted(self.flagged.items()))
+            parts.append(f"dropped by flag: {flags}")
         parts.append(f"cut {self.cut:,}")
         return "; ".join(parts)
 
@@ -93,9 +124,14 @@ def export(
     out: Path,
     options: ExportOptions | None = None,
     heldout_out: Path | None = None,
+    dead_letters: dict[str, Counter[str]] | None = None,
 ) -> ExportSummary:
     """Write the records at `folder` (a job folder or a folder of them) to `out`, and the
-    held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout."""
+    held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout.
+
+    Every output carries the jobs' provenance (common/provenance.py): a `datasets` folder
+    in its dataset card and `provenance.json`, a file beside it as OUT.provenance.json.
+    `dead_letters` (by stage, then reason), where known, go into the card."""
     options = options or ExportOptions()
     jobs = select_jobs(folder, options.jobs)
     if heldout_out is not None and not options.heldout:
@@ -123,17 +159,45 @@ def export(
                 rows = _shuffled(selected, options.seed, _data_bytes(jobs), Path(scratch))
             for is_held_out, row in rows:
                 sinks[is_held_out].write(row)
+                if options.format == "hf":
+                    summary.stats[is_held_out].add(row)
                 if is_held_out:
                     summary.held_out += 1
                 else:
                     summary.written += 1
         for sink in sinks:
             sink.commit()
+        _describe(options, summary, paths, jobs, dead_letters)
     except BaseException:
         for sink in sinks:
             sink.abort()
         raise
     return summary
+
+
+def _describe(
+    options: ExportOptions,
+    summary: ExportSummary,
+    paths: list[Path],
+    jobs: list[Path],
+    dead_letters: dict[str, Counter[str]] | None,
+) -> None:
+    """Write each output's provenance, and a `datasets` folder's card."""
+    made_by = [found for job in jobs if (found := provenance.read_file(job)) is not None]
+    for path, stats in zip(paths, summary.stats, strict=False):
+        if options.format != "hf":
+            sidecar = path.with_name(f"{path.name}.provenance.json")
+            sidecar.write_bytes(orjson.dumps({"jobs": made_by}, option=orjson.OPT_INDENT_2))
+            continue
+        (path / provenance.PROVENANCE_FILE).write_bytes(
+            orjson.dumps({"jobs": made_by}, option=orjson.OPT_INDENT_2)
+        )
+        features = require_datasets().Features.from_arrow_schema(TOKEN_SCHEMA)._to_yaml_list()
+        size = sum(f.stat().st_size for f in path.glob("data-*.arrow"))
+        write_card(
+            path, features=features, num_bytes=size, stats=stats, dropped=summary.dropped,
+            provenances=made_by, dead_letters=dead_letters,
+        )  # fmt: skip
 
 
 def select_jobs(folder: Path, names: Sequence[str]) -> list[Path]:
@@ -178,15 +242,21 @@ def _selected(
             fitted = _fit(record, options, summary)
             if fitted is None:
                 continue
-            # By conversation where there is one (`--turns all`): a held-out set that
-            # shares a conversation's earlier turns with training would not be held out.
-            unit = fitted.get("conversation_id") or fitted["id"]
+            # By conversation where there is one (`--turns all`), and by prompt across its
+            # samples: a held-out set that shares a conversation's earlier turns or a
+            # prompt's other answers with training would not be held out.
+            unit = prompt_unit(fitted)
             is_held_out = bool(options.heldout) and held_out(unit, options.heldout)
             yield f"{fitted['job']}\0{fitted['id']}", is_held_out, shape(fitted)
 
 
 def _fit(record: Row, options: ExportOptions, summary: ExportSummary) -> Row | None:
     """The record as exported (cut to max_length with truncate), or None when dropped."""
+    flagged = [flag for flag in record.get("flags", ()) if flag in options.drop_flags]
+    if flagged:
+        summary.dropped[Dropped.FLAGGED] += 1
+        summary.flagged.update(flagged)
+        return None
     cut = False
     length = options.max_length
     if length is not None and len(record["input_ids"]) > length:

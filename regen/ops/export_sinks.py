@@ -63,6 +63,7 @@ def token_row(record: Row) -> Row:
         "finish_reason": record["finish_reason"],
         "sampling": orjson.dumps(record["sampling"]).decode(),
         "chat_template_kwargs": orjson.dumps(record["chat_template_kwargs"]).decode(),
+        "flags": record.get("flags", []),
     }  # fmt: skip
 
 
@@ -71,7 +72,7 @@ TOKEN_SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
     ("seq_len", pa.int32()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
     ("finish_reason", pa.string()), ("sampling", pa.string()),
-    ("chat_template_kwargs", pa.string()),
+    ("chat_template_kwargs", pa.string()), ("flags", pa.list_(pa.string())),
 ])  # fmt: skip
 
 

@@ -126,7 +126,9 @@ def job_status(
         "chunks": {"waiting": counts.waiting_chunks, "in_flight": counts.in_flight_chunks},
         "dead_letters": counts.dead_letters,
         "dead_letters_without_prompt": counts.other_dead_letters,
-        "committed": {"prompts": now.prompts, "output_tokens": now.tokens},
+        "committed": {
+            "prompts": now.prompts, "output_tokens": now.tokens, "flagged": totals.flags,
+        },
         "rate": {
             "window_s": window_s,
             "prompts_per_s": rates[0] if rates else None,

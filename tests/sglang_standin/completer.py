@@ -122,7 +122,8 @@ class Completer:
         max_new = 128 if max_new is None else int(max_new)
         ignore_eos = bool(sampling.get("ignore_eos"))
         stop_ids = {self.eos_id, *(sampling.get("stop_token_ids") or ())}
-        rng = random.Random(self._digest(input_ids))
+        # A request's own seed draws its answer, as SGLang's sampling_seed does.
+        rng = random.Random(self._digest(input_ids, sampling.get("sampling_seed")))
         wanted = max(self.dist.sample(rng), int(sampling.get("min_new_tokens") or 0))
         n_body = max_new if ignore_eos else min(wanted, max_new)
         body = self._text_ids(rng, n_body)[:n_body]
@@ -147,8 +148,10 @@ class Completer:
         )
         return Completion(output_ids=ids, finish_reason=reason, text=text)
 
-    def _digest(self, input_ids: list[int]) -> int:
+    def _digest(self, input_ids: list[int], request_seed: int | None = None) -> int:
         h = hashlib.blake2b(digest_size=8, key=self.seed.to_bytes(8, "little"))
+        if request_seed is not None:
+            h.update(b"seed" + int(request_seed).to_bytes(8, "little", signed=True))
         for token in input_ids:
             h.update(token.to_bytes(8, "little", signed=True))
         return int.from_bytes(h.digest(), "little")
