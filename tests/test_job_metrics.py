@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from regen.common import dlq, keys
+from regen.common.quality_flags import FLAGS
 from regen.ops import status_snapshot
 from regen.ops.job_metrics import JobCollector, remaining_shard_bytes
 from tests.generate_harness import enqueue_prompts
@@ -80,6 +81,9 @@ def test_a_scrape_reports_each_job_as_status_does_and_reads_redis_once_per_refre
     assert value(samples, "regen_job_chunks", job="m", place="waiting") == 3  # 4 + 4 + 2
     assert value(samples, "regen_job_chunks", job="m", place="in_flight") == 0
     assert value(samples, "regen_job_committed_prompts_total", **job) == 0
+    # Every quality flag has its series from the start, at 0 before any record.
+    for flag in FLAGS:
+        assert value(samples, "regen_job_flagged_records_total", job="m", flag=flag) == 0
     assert value(samples, "regen_job_shard_bytes", **job) == 0
     assert value(samples, "regen_job_workers", job="m", kind="generate") == 2
     assert value(samples, "regen_job_workers", job="m", kind="tokenize") == 1

@@ -141,6 +141,11 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
         "Output (completion) tokens of the prompts committed to shards.",
         labels=job,
     )
+    flagged = CounterMetricFamily(
+        "regen_job_flagged_records",
+        "Committed records with each quality flag (a record may have several).",
+        labels=["job", "flag"],
+    )
     eta = GaugeMetricFamily(
         "regen_job_eta_seconds",
         "Seconds until every prompt is done at the recent rate (regen status --window); "
@@ -189,6 +194,8 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
             chunks.add_metric([name, place], count)
         committed.add_metric([name], status["committed"]["prompts"])
         tokens.add_metric([name], status["committed"]["output_tokens"])
+        for flag, count in status["committed"]["flagged"].items():
+            flagged.add_metric([name, flag], count)
         if status["eta_s"] is not None:
             eta.add_metric([name], status["eta_s"])
         for stage, reasons in status["dead_letters"].items():
@@ -205,7 +212,7 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
             free.add_metric([name], status["shards"]["free_bytes"])
         for kind, count in status["workers"].items():
             workers.add_metric([name, kind], count)
-    yield from (enqueued, places, unplaced, chunks, committed, tokens, eta, dead, other)
+    yield from (enqueued, places, unplaced, chunks, committed, tokens, flagged, eta, dead, other)
     yield from (shards, shard_bytes, remaining, free, workers)
 
 
