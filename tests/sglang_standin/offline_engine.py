@@ -157,6 +157,7 @@ def _config(knobs: dict[str, Any], server_args: dict[str, Any]) -> StandinConfig
         if server_args.get(name) is not None:
             knobs[name] = server_args[name]
     knobs["trust_remote_code"] = bool(server_args.get("trust_remote_code"))
+    knobs["skip_tokenizer_init"] = bool(server_args.get("skip_tokenizer_init"))
     return StandinConfig(**knobs)
 
 
