@@ -259,7 +259,7 @@ def test_the_next_turns_history_reads_an_answer_without_text(kimi_tokenizer: Any
 
     def answer(text: str | None) -> dict[str, Any]:
         result = GenerateResult(output, text, finish, len(prompt), len(output))
-        return chat.answer(prompt, result, None, sampling)
+        return chat.answer(prompt, result, None, sampling, record_id="c-0")
 
     assert answer(None) == answer(text) == {
         "role": "assistant", "content": "4.", "reasoning_content": "Adding.",

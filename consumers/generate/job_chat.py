@@ -43,10 +43,13 @@ class JobChat:
         output: GenerateResult,
         tools: list[dict[str, Any]] | None,
         sampling: Mapping[str, Any],
+        *,
+        record_id: str,
     ) -> dict[str, Any]:
         """A generated turn as the next turn's history holds it, read as the tokenize
-        stage reads it: the tool calls it ended in parsed, its reasoning split off, so
-        the template renders the calls and keeps or drops the reasoning as serving would
+        stage reads it: the tool calls it ended in parsed (ids given from `record_id`,
+        the turn's id, where the model wrote none), its reasoning split off, so the
+        template renders the calls and keeps or drops the reasoning as serving would
         (e.g. Kimi drops earlier turns' thinking unless `preserve_thinking`)."""
         with self._lock:
             text = output.text
@@ -55,6 +58,7 @@ class JobChat:
             text, calls = turn_calls(
                 self.family,
                 self.tokenizer,
+                record_id=record_id,
                 tools=tools,
                 output_ids=list(output.output_ids),
                 text=text,

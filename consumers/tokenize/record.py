@@ -15,7 +15,9 @@ A record (one JSON line in a shard, schema `regen.record/2`):
   regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r,
   "tool_calls": calls}`; `reasoning_content` is present only when the output had a think
   span, `tool_calls` only when the prompt had tools and the output ends in well-formed
-  calls (OpenAI's shape, `arguments` as the model wrote them). Where the chat template
+  calls (OpenAI's shape, `arguments` as the model wrote them; a call written without an
+  id, as Hermes-style models write them, has `call_<record id>_<index>`: see
+  common/output_calls.py). Where the chat template
   renders tool calls, `content` is the text before them; where it does not (SmolLM2's),
   `content` keeps their text too, so the turn re-renders as generated. Text is the
   server's (special tokens skipped unless the job's sampling says otherwise); from a
@@ -260,6 +262,7 @@ def _tool_calls(
     return turn_calls(
         ctx.family,
         ctx.tokenizer,
+        record_id=result.id,
         tools=result.tools,
         output_ids=result.output_ids,
         text=text,

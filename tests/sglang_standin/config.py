@@ -105,6 +105,9 @@ class StandinConfig:
         },
     )
     think: bool = _opt(False, "answer REASONING</think>ANSWER, as after a <think> prompt")
+    answer_suffix: str | None = _opt(
+        None, "text every answer ends with, before its end-of-turn token (e.g. a tool call)"
+    )
     seed: int = _opt(0, "changes every answer; answers never depend on the rid")
     max_running_requests: int = _opt(64, "requests decoding at once; the rest wait in a queue")
     max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")

@@ -94,7 +94,7 @@ class Engine:
         self._tokenizer = tokenizer
         completer = Completer(
             tokenizer, config.output_len_dist, eos_id=config.eos_id, think=config.think,
-            seed=config.seed,
+            seed=config.seed, suffix=config.answer_suffix,
         )  # fmt: skip
         self._scheduler = Scheduler(config, completer)
         self.tokenizer_manager = TokenizerManager(self._scheduler)
