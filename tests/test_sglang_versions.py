@@ -32,6 +32,8 @@ from tests.helpers import wait_for
 from tests.sglang_standin import run_standin
 from tests.test_admission import SGLANG_METRICS, Clock
 from tests.test_record import IM_END, THINK_END, ids, make_ctx, make_result
+from tests.test_sglang_inprocess_engine import build, offline_sglang  # noqa: F401 (a fixture)
+from tests.test_sglang_inprocess_engine import request as inprocess_request
 from tests.test_turns_stage import ANSWER, TURNS, by_turn, enqueue, tokenize, verified, worker
 
 # What SGLang 0.5.6 serves: the retraction gauge, no counter (prometheus_client's text).
@@ -234,6 +236,23 @@ def test_a_server_without_metrics_or_text_serves_and_is_never_marked_down(
     assert all(result.text is None and result.output_ids for result in done)
     (warning,) = caplog.records
     assert warning.levelno == logging.WARNING and server.url in warning.getMessage()
+
+
+@pytest.mark.usefixtures("offline_sglang")
+def test_the_in_process_engine_started_with_skip_tokenizer_init_serves_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = build(monkeypatch, sglang_args={"skip_tokenizer_init": True})
+
+    async def once() -> GenerateResult:
+        try:
+            return await engine.generate(inprocess_request(1))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(once())
+    assert result.text is None and result.output_ids
+    assert result.completion_tokens == len(result.output_ids)
 
 
 # --- --skip-tokenizer-init: the stages decode the ids ---------------------------------------

@@ -157,7 +157,8 @@ def _config(knobs: dict[str, Any], server_args: dict[str, Any]) -> StandinConfig
         if server_args.get(name) is not None:
             knobs[name] = server_args[name]
     knobs["trust_remote_code"] = bool(server_args.get("trust_remote_code"))
-    knobs["skip_tokenizer_init"] = bool(server_args.get("skip_tokenizer_init"))
+    if server_args.get("skip_tokenizer_init"):  # SGLang's own flag, as the engine takes it
+        knobs["skip_tokenizer_init"] = True
     return StandinConfig(**knobs)
 
 
