@@ -2,6 +2,11 @@
 
 Shared by the generate stage (a turn's answer in the next turn's history, `--turns all`)
 and the tokenize stage (the record's assistant message), so both read a turn alike.
+
+Calls get ids where the model wrote none (Hermes style: Qwen, SmolLM2): the next turn's
+tool results answer calls by id (`tool_call_id`). An id is derived from the record the
+call is in (its id: a prompt's, or a turn's `<conversation>-<turn>`) and the call's
+place in it, so both stages, and every rerun, give a call the same id.
 """
 
 from __future__ import annotations
@@ -48,10 +53,25 @@ def split_calls(
     return head, calls
 
 
+def call_id(record_id: str, index: int) -> str:
+    """The id of the `index`th call (0 first) of record `record_id`'s turn, for a call the
+    model wrote without one."""
+    return f"call_{record_id}_{index}"
+
+
+def with_call_ids(calls: list[dict[str, Any]], record_id: str) -> list[dict[str, Any]]:
+    """`calls`, each without an id given `call_id`'s (those with one kept as written)."""
+    return [
+        call if call.get("id") else {"id": call_id(record_id, index), **call}
+        for index, call in enumerate(calls)
+    ]
+
+
 def turn_calls(
     family: ChatFamily,
     tokenizer: Any,
     *,
+    record_id: str,
     tools: list[dict[str, Any]] | None,
     output_ids: list[int],
     text: str,
@@ -60,10 +80,14 @@ def turn_calls(
 ) -> tuple[str, list[dict[str, Any]] | None]:
     """`split_calls` of a finished output: only a prompt with tools is answered with
     calls, and only a turn that stopped (not cut at max_new_tokens) ends in them. The
-    stop token, when one matched, is not part of the calls."""
+    stop token, when one matched, is not part of the calls. Calls without ids get
+    `with_call_ids`' of `record_id`."""
     if not tools or finish_reason.get("type") != "stop":
         return text, None
     matched = finish_reason.get("matched")
     is_token = isinstance(matched, int) and not isinstance(matched, bool)
     body = output_ids[:-1] if is_token and output_ids[-1:] == [matched] else output_ids
-    return split_calls(family, tokenizer, body, text, skip_special_tokens=skip_special_tokens)
+    text, calls = split_calls(
+        family, tokenizer, body, text, skip_special_tokens=skip_special_tokens
+    )
+    return text, None if calls is None else with_call_ids(calls, record_id)

@@ -27,7 +27,8 @@ class GeneratedResult:
     source: dict[str, Any]
     # Exactly as the engine returned them; the record is built from these, never from text.
     output_ids: list[int]
-    text: str
+    # None: the server sent no text (`--skip-tokenizer-init`); the decode of output_ids.
+    text: str | None
     finish_reason: dict[str, Any]
     prompt_tokens: int
     completion_tokens: int

@@ -464,28 +464,39 @@ def test_calls_that_do_not_parse_or_were_not_offered_stay_text(kimi: RecordConte
     assert build_record(tool_result(kimi, called), kimi)["flags"] == []
 
 
+# Calls written as Qwen's template writes them (no ids: Hermes-style models use none).
+HERMES_TEMPLATE = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{%- for c in m['tool_calls'] or [] -%}"
+    "{%- if m['content'] or not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ c['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def hermes_tokenizer_dir(smollm2_tokenizer: Any, folder: Path) -> Path:
+    """A folder holding SmolLM2's tokenizer with a template that writes calls as Qwen's."""
+    smollm2_tokenizer.save_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def hermes_tokenizer(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """SmolLM2's tokenizer with a template that writes calls as Qwen's does."""
-    folder: Path = tmp_path_factory.mktemp("hermes-style")
-    smollm2_tokenizer.save_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    tokenizer.chat_template = (
-        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-        "{%- for c in m['tool_calls'] or [] -%}"
-        "{%- if m['content'] or not loop.first %}{{ '\\n' }}{% endif -%}"
-        "{{ '<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
-        "{{ c['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}{%- endfor -%}"
-        "{{ '<|im_end|>\\n' }}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-    )
-    return tokenizer
+    folder = hermes_tokenizer_dir(smollm2_tokenizer, tmp_path_factory.mktemp("hermes-style"))
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def test_hermes_calls_split_from_the_answer(hermes_tokenizer: Any, smollm2_tokenizer: Any) -> None:
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     function = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
-    expected_call = {"type": "function", "function": function}
+    # Hermes calls carry no id: each gets one from the record's id and its place.
+    expected_call = {"id": "call_p-0001_0", "type": "function", "function": function}
     ctx = make_ctx(hermes_tokenizer, chat_family="chatml")
     record = build_record(tool_result(ctx, ids(hermes_tokenizer, "Checking.\n" + call, 2)), ctx)
     assert record["messages"][-1] == {

@@ -269,7 +269,7 @@ def test_smollm2_tool_rows_render_and_make_records(
     # Its template does not render tool_calls, so the content keeps the call's text.
     assert call["messages"][-1] == {
         "role": "assistant", "content": call_text,
-        "tool_calls": [{"type": "function",
+        "tool_calls": [{"id": f"call_{prompts[2]['id']}_0", "type": "function",
                         "function": {"name": "multiply", "arguments": '{"a":12,"b":7}'}}],
     }  # fmt: skip
     assert call["tools"] == [{"type": "function", "function": MULTIPLY}]

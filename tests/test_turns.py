@@ -200,7 +200,7 @@ def test_the_next_turn_holds_the_targets_answer_as_serving_renders_it(
     # Kimi's thinking prompt opens the span: the output starts inside the reasoning.
     text = "I weigh the options.</think>Mars, the red one."
     output = GenerateResult([], text, {"type": "stop", "matched": IM_END}, 0, 0)
-    answer = chat.answer(prompt.prompt_ids, output, None, {})
+    answer = chat.answer(prompt.prompt_ids, output, None, {}, record_id=prompt.id)
     assert answer == {"role": "assistant", "content": "Mars, the red one.",
                       "reasoning_content": "I weigh the options."}  # fmt: skip
 

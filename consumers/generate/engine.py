@@ -29,7 +29,9 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class GenerateResult:
     output_ids: list[int]
-    text: str
+    # None from a server that detokenizes nothing (SGLang's `--skip-tokenizer-init`):
+    # whoever needs the text decodes output_ids (common/detokenize.py).
+    text: str | None
     # SGLang's shape: {"type": "stop", "matched": id|str} | {"type": "length", "length": n}
     # | {"type": "abort", "message": ..., "status_code": ...}
     finish_reason: dict[str, Any]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from regen.common import chat_family
+from regen.common.detokenize import detokenize
 from regen.common.jobspec import JobSpec
 from regen.common.output_calls import turn_calls
 from regen.common.tokenizer import load_job_tokenizer
@@ -42,18 +43,25 @@ class JobChat:
         output: GenerateResult,
         tools: list[dict[str, Any]] | None,
         sampling: Mapping[str, Any],
+        *,
+        record_id: str,
     ) -> dict[str, Any]:
         """A generated turn as the next turn's history holds it, read as the tokenize
-        stage reads it: the tool calls it ended in parsed, its reasoning split off, so
-        the template renders the calls and keeps or drops the reasoning as serving would
+        stage reads it: the tool calls it ended in parsed (ids given from `record_id`,
+        the turn's id, where the model wrote none), its reasoning split off, so the
+        template renders the calls and keeps or drops the reasoning as serving would
         (e.g. Kimi drops earlier turns' thinking unless `preserve_thinking`)."""
         with self._lock:
+            text = output.text
+            if text is None:  # a server started with --skip-tokenizer-init
+                text = detokenize(self.tokenizer, output.output_ids, output.finish_reason, sampling)
             text, calls = turn_calls(
                 self.family,
                 self.tokenizer,
+                record_id=record_id,
                 tools=tools,
                 output_ids=list(output.output_ids),
-                text=output.text,
+                text=text,
                 finish_reason=output.finish_reason,
                 skip_special_tokens=sampling.get("skip_special_tokens", True),
             )

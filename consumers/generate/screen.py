@@ -12,12 +12,17 @@ it.
 
 Only the BRPOP path is screened: it is the only one a Celery worker consumes through
 (the polling path and `basic_get` go through kombu's `_get`, which workers never call).
+
+The same channel class also says "connection lost" where kombu would fail otherwise: a
+chunk that ends after its channel was closed by a lost connection is acked or rejected
+on that closed channel (see ScreeningChannel._create_client).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import redis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
@@ -30,6 +35,15 @@ def screening_transport(screen: PoisonFilter) -> type[kombu_redis.Transport]:
 
     class ScreeningChannel(kombu_redis.Channel):  # type: ignore[misc]
         def _create_client(self, asynchronous: bool = False) -> Any:
+            if self.connection is None:
+                # Celery closed this channel when its connection was lost (keeping what
+                # it delivered unacked: lease_celery.py), and a chunk that ran on through
+                # it is being acked or rejected on it now. kombu would fail building a
+                # client here with AttributeError, which Celery takes for an unrecoverable
+                # error and stops the worker. Lost is what the connection is: kombu logs
+                # that and goes on, and the delivery stays unacked for its restore sweep
+                # (docs/design.md, "Delivery protocol").
+                raise redis.ConnectionError("the channel was closed: its connection was lost")
             client = super()._create_client(asynchronous=asynchronous)
             parse = client.response_callbacks.get("BRPOP")
 

@@ -26,6 +26,7 @@ import redis
 from regen.common import dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
+from regen.common.output_calls import with_call_ids
 from regen.common.results import FIELD, GeneratedResult
 from regen.consumers.generate.settle import CHUNK_STATE_TTL_S, dead_letter, mark_generated
 
@@ -112,6 +113,10 @@ def next_turn(turn: Turn, answer: dict[str, Any]) -> Turn | None:
     None where the conversation ends. Raises ToolCallDiverged."""
     if turn.is_last:
         return None
+    if answer.get("tool_calls"):
+        # A checkpoint from before calls got ids may hold calls without (JobChat.answer
+        # gives them now): the same ids the record of `turn` holds.
+        answer = {**answer, "tool_calls": with_call_ids(answer["tool_calls"], turn.prompt.id)}
     index = turn.index + 1
     following = [dict(m) for m in turn.conversation.context_before(index)]
     diverged = fit_tool_results(answer, following)

@@ -116,7 +116,13 @@ class _Conversations:
         except PromptRejected as exc:
             self.fail(turn, Reason.REJECTED_BY_SERVER, exc.message, server=exc.server)
             return
-        answer = self.chat.answer(turn.prompt.prompt_ids, output, turn.prompt.tools, self.sampling)
+        answer = self.chat.answer(
+            turn.prompt.prompt_ids,
+            output,
+            turn.prompt.tools,
+            self.sampling,
+            record_id=turn.prompt.id,
+        )
         ctx = self.ctx
         result = generated_result(
             self.chunk,

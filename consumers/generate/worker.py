@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Celery, bootsteps
+from celery import Celery, bootsteps, signals
 
 from regen.common import connection, defaults, gc_tuning, jobspec, settings
 from regen.common.celery_app import make_app
@@ -212,9 +212,8 @@ def run_worker(options: WorkerOptions) -> None:
     )
     gc_tuning.tune_for_throughput()
     try:
-        # app.start, not worker_main (which drops it), returns Celery's exit code: a
-        # worker stopped by an unrecoverable error must not exit 0.
-        exit_code = app.start(
+        exit_code = run_celery_worker(
+            app,
             [
                 "worker",
                 "--pool",
@@ -230,7 +229,7 @@ def run_worker(options: WorkerOptions) -> None:
                 options.loglevel,
                 "--without-mingle",
                 "--without-gossip",
-            ]
+            ],
         )
     finally:
         watcher.stop()
@@ -240,6 +239,30 @@ def run_worker(options: WorkerOptions) -> None:
         runner.close()
     if exit_code:
         raise SystemExit(exit_code)
+
+
+def run_celery_worker(app: Celery, argv: list[str]) -> int:
+    """Run `celery worker` with `argv` in this process; the worker's exit code.
+
+    A worker stopped by an unrecoverable error must not exit 0: its supervisor
+    (compose's `restart: on-failure`, systemd) would leave it down. Celery sets the code
+    on the worker (1 after "Unrecoverable error"), but `app.start` returns None whatever
+    it is (click hands the code back rather than raising it, and `app.start` drops it),
+    so it is read off the worker itself.
+    """
+    workers: list[Any] = []
+
+    def remember(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+        workers.append(instance)
+
+    signals.celeryd_init.connect(remember, weak=False)
+    try:
+        app.start(argv)
+    finally:
+        signals.celeryd_init.disconnect(remember)
+    if not workers:  # never built (bad arguments): Celery said why
+        return 1
+    return int(workers[0].exitcode or 0)
 
 
 def _snapshot(

@@ -16,10 +16,13 @@ A record (one JSON line in a shard, schema `regen.record/3`):
   regenerated turn `{"role": "assistant", "content": answer, "reasoning_content": r,
   "tool_calls": calls}`; `reasoning_content` is present only when the output had a think
   span, `tool_calls` only when the prompt had tools and the output ends in well-formed
-  calls (OpenAI's shape, `arguments` as the model wrote them). Where the chat template
+  calls (OpenAI's shape, `arguments` as the model wrote them; a call written without an
+  id, as Hermes-style models write them, has `call_<record id>_<index>`: see
+  common/output_calls.py). Where the chat template
   renders tool calls, `content` is the text before them; where it does not (SmolLM2's),
   `content` keeps their text too, so the turn re-renders as generated. Text is the
-  server's (special tokens skipped unless the job's sampling says otherwise).
+  server's (special tokens skipped unless the job's sampling says otherwise); from a
+  server that sends none (`--skip-tokenizer-init`), the same decode of the output ids.
 - `tools`: the OpenAI tools the prompt was rendered with; present only when it had some.
 - `input_ids`: the prompt ids exactly as sent, then the output ids exactly as generated
   (the matched stop token included). Never re-tokenized.
@@ -57,6 +60,7 @@ from regen.common.chat_family import (
     split_reasoning,
     think_state,
 )
+from regen.common.detokenize import detokenize, is_token
 from regen.common.dlq import ReasonCode, Refused
 from regen.common.jobspec import JobSpec
 from regen.common.output_calls import turn_calls
@@ -157,15 +161,15 @@ class RecordContext:
 
 def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
     """The record for a result (see the module docstring); raises CheckFailed."""
-    finish, matched = _check_finish(result)
+    finish = _check_finish(result)
     if finish == "length" and ctx.on_truncated != "keep":
         # Decided before decoding: the result will not be a record either way.
         reason = Reason.TRUNCATED_DROPPED if ctx.on_truncated == "drop" else Reason.TRUNCATED
         raise CheckFailed(reason, f"cut at {len(result.output_ids)} tokens (finish length)")
-    _check_text(result, ctx, finish, matched)
-    text, calls = _tool_calls(result, ctx)
+    text, calls = _tool_calls(result, ctx, _server_text(result, ctx, finish))
     reasoning, answer = _split(result, ctx, finish, text)
-    body_ids = result.output_ids[:-1] if _is_token(matched) else result.output_ids
+    matched = result.finish_reason.get("matched") if finish == "stop" else None
+    body_ids = result.output_ids[:-1] if is_token(matched) else result.output_ids
     flags = quality_flags(
         ctx.family, finish=finish, body_ids=body_ids, reasoning=reasoning, answer=answer,
         calls=calls, tools=result.tools,
@@ -210,8 +214,8 @@ def _sampling(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
     return result.sampling or ctx.spec.sampling
 
 
-def _check_finish(result: GeneratedResult) -> tuple[str, Any]:
-    """The finish type and what matched; counts agree with the ids."""
+def _check_finish(result: GeneratedResult) -> str:
+    """The finish type; counts agree with the ids, a matched stop token ends them."""
     reason = result.finish_reason or {}
     finish = reason.get("type")
     if finish == "abort":
@@ -231,46 +235,34 @@ def _check_finish(result: GeneratedResult) -> tuple[str, Any]:
             f"{len(result.prompt_ids)} were sent",
         )
     matched = reason.get("matched") if finish == "stop" else None
-    if _is_token(matched) and result.output_ids[-1:] != [matched]:
+    if is_token(matched) and result.output_ids[-1:] != [matched]:
         raise CheckFailed(
             Reason.STOP_MISMATCH,
             f"stop token {matched} matched but output ends with {result.output_ids[-1:]}",
         )
-    return finish, matched
+    return finish
 
 
-def _is_token(matched: Any) -> bool:
-    return isinstance(matched, int) and not isinstance(matched, bool)
+def _server_text(result: GeneratedResult, ctx: RecordContext, finish: str) -> str:
+    """The server's text, checked to be the decode of output_ids as SGLang's
+    detokenizer makes it (common/detokenize.py); that decode where the server sent no
+    text (`--skip-tokenizer-init`).
 
-
-def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matched: Any) -> None:
-    """The server's text is the decode of output_ids, as SGLang's detokenizer makes it.
-
-    SGLang (`DetokenizerManager.trim_matched_stop`) drops a matched stop token from the
-    ids before decoding and cuts the text at the first occurrence of a matched stop
-    string, both unless `no_stop_trim`, and both only when `matched` is truthy (its
-    test). It decodes with the request's `skip_special_tokens` (default true). A length
-    cut may end inside a UTF-8 sequence, whose replacement characters a server may hold
-    back. Nothing else may differ.
+    A length cut may end inside a UTF-8 sequence, whose replacement characters a server
+    may hold back. Nothing else may differ.
     """
-    sampling = _sampling(result, ctx)
-    trim = bool(matched) and not sampling.get("no_stop_trim", False)
-    ids = result.output_ids[:-1] if trim and _is_token(matched) else result.output_ids
-    decoded = ctx.tokenizer.decode(
-        ids, skip_special_tokens=sampling.get("skip_special_tokens", True)
+    decoded = detokenize(
+        ctx.tokenizer, result.output_ids, result.finish_reason, _sampling(result, ctx)
     )
-    if trim and isinstance(matched, str):
-        cut = decoded.find(matched)
-        decoded = decoded if cut == -1 else decoded[:cut]
     text = result.text
-    if text == decoded:
-        return
+    if text is None or text == decoded:
+        return decoded
     if (
         finish == "length"
         and decoded.startswith(text)
         and not decoded[len(text) :].strip(_REPLACEMENT)
     ):
-        return
+        return text
     at = first_difference(text, decoded)
     raise CheckFailed(
         Reason.TEXT_MISMATCH,
@@ -281,15 +273,16 @@ def _check_text(result: GeneratedResult, ctx: RecordContext, finish: str, matche
 
 
 def _tool_calls(
-    result: GeneratedResult, ctx: RecordContext
+    result: GeneratedResult, ctx: RecordContext, text: str
 ) -> tuple[str, list[dict[str, Any]] | None]:
     """(the text to split into reasoning and answer, the calls the output ends in)."""
     return turn_calls(
         ctx.family,
         ctx.tokenizer,
+        record_id=result.id,
         tools=result.tools,
         output_ids=result.output_ids,
-        text=result.text,
+        text=text,
         finish_reason=result.finish_reason,
         skip_special_tokens=_sampling(result, ctx).get("skip_special_tokens", True),
     )

@@ -20,6 +20,7 @@ async def main(config: StandinConfig) -> None:
         eos_id=config.eos_id,
         think=config.think,
         seed=config.seed,
+        suffix=config.answer_suffix,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

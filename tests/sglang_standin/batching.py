@@ -50,7 +50,10 @@ class Sequence:
 @dataclass
 class BatchStats:
     retracted_total: int = 0
-    retracted_last: int = 0  # retracted in the last pass that retracted any
+    retracted_last: int = 0  # retracted in the last pass that retracted any, since the log
+    # SGLang's gauge sglang:num_retracted_reqs: retracted_last as of the last stats log
+    # (every DECODE_LOG_INTERVAL passes), which then zeroes retracted_last.
+    retracted_logged: int = 0
     retracted_input_tokens_total: int = 0
     retracted_output_tokens_total: int = 0
     decode_passes: int = 0
@@ -160,6 +163,7 @@ class BatchEngine:
         if stats.decode_passes % DECODE_LOG_INTERVAL == 0:
             stats.gen_throughput = stats.window_tokens / max(now - stats.window_start, 1e-9)
             stats.window_tokens, stats.window_start = 0, now
+            stats.retracted_logged, stats.retracted_last = stats.retracted_last, 0
         for seq in finished:
             self._drop(seq)
             if not seq.done.done():

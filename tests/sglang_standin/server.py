@@ -53,7 +53,8 @@ class Standin(Scheduler):
             app.router.add_get(path, self.health)
         app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/server_info", self.server_info)
-        app.router.add_get("/metrics", self.metrics)
+        if not self.config.no_metrics:
+            app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/_fault", self.set_fault)
         app.router.add_get("/_stats", self.stats)
         app.router.add_get("/_served", self.served_requests)

@@ -31,12 +31,20 @@ from regen.common import defaults
 # SGLang's names (python/sglang/srt/metrics/collector.py, 0.5.x). A counter's samples
 # carry `_total`. With data parallelism a server reports one series per rank: counts add
 # up, token usage is the fullest rank's.
+#
+# Retractions come two ways (docs/design.md, "SGLang contract"): 0.5.23 counts them in
+# the counter RETRACTED_TOTAL (its increase between readings is what happened); 0.5.6
+# has only the gauge RETRACTED_LATELY, the requests its last retracting pass retracted,
+# published at each decode-stats log (every 40 decode passes) and zeroed at the next log
+# without one. A gauge is a current count, not a total: its value is the news, and a
+# difference of two readings means nothing. With both, the counter is read.
 RUNNING = "sglang:num_running_reqs"
 QUEUED = "sglang:num_queue_reqs"
 TOKEN_USAGE = "sglang:token_usage"
 GEN_THROUGHPUT = "sglang:gen_throughput"
 GENERATED_TOTAL = "sglang:generation_tokens_total"
 RETRACTED_TOTAL = "sglang:num_retracted_requests_total"
+RETRACTED_LATELY = "sglang:num_retracted_reqs"
 
 
 class MetricsUnavailable(Exception):
@@ -53,6 +61,8 @@ class ServerLoad:
     gen_throughput: float | None = None
     generated_total: float | None = None
     retracted_total: float | None = None
+    # The gauge (0.5.6): retracted by the last retracting pass since the last stats log.
+    retracted_lately: float | None = None
 
 
 def parse_metrics(text: str) -> ServerLoad:
@@ -81,6 +91,7 @@ def parse_metrics(text: str) -> ServerLoad:
         gen_throughput=values.get(GEN_THROUGHPUT),
         generated_total=values.get(GENERATED_TOTAL),
         retracted_total=values.get(RETRACTED_TOTAL),
+        retracted_lately=values.get(RETRACTED_LATELY),
     )
 
 
@@ -156,7 +167,7 @@ class AdmissionController:
         last, last_at = self._last, self._last_at
         self._last, self._last_at = load, now
         throughput = _throughput(load, last, now - last_at)
-        retracted = _delta(load.retracted_total, last.retracted_total if last else None)
+        retracted = _retracted(load, last)
         usage = load.token_usage or 0.0
         slack = max(p.queue_slack_min, p.queue_slack_share * load.running)
         if not self._settled(inflight, slack, now):
@@ -246,6 +257,16 @@ def _delta(now: float | None, before: float | None) -> float:
     if now is None or before is None or now < before:
         return 0.0
     return now - before
+
+
+def _retracted(load: ServerLoad, last: ServerLoad | None) -> float:
+    """Requests the server retracted since `last`: the counter's increase where it has
+    the counter (0.5.23), else the gauge's value (0.5.6; see RETRACTED_LATELY). The
+    gauge holds its value until the next stats log, so two readings may see the same
+    pass: the second is not acted on before the first back-off has shown (`_settled`)."""
+    if load.retracted_total is not None:
+        return _delta(load.retracted_total, last.retracted_total if last else None)
+    return max(0.0, load.retracted_lately or 0.0)
 
 
 def _throughput(load: ServerLoad, last: ServerLoad | None, seconds: float) -> float | None:

@@ -134,10 +134,14 @@ def result_from_reply(
 ) -> GenerateResult:
     """Map one /generate reply dict (HTTP or `Engine.async_generate`, the same shape)."""
     try:
-        output_ids, meta, text = data["output_ids"], data["meta_info"], data["text"]
+        # No `text` at all is SGLang started with --skip-tokenizer-init: the ids are
+        # the answer either way, and the stages decode them where they need text.
+        output_ids, meta, text = data["output_ids"], data["meta_info"], data.get("text")
         finish = meta["finish_reason"]
-        if not isinstance(text, str) or not all(type(t) is int for t in output_ids):
-            raise TypeError("text must be a string and output_ids a list of integers")
+        if text is not None and not isinstance(text, str):
+            raise TypeError("text must be a string")
+        if not isinstance(output_ids, list) or not all(type(t) is int for t in output_ids):
+            raise TypeError("output_ids must be a list of integers")
         result = GenerateResult(
             output_ids=output_ids,
             text=text,
