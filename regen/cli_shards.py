@@ -20,6 +20,8 @@ _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 # What reading a damaged shard raises; verify says what is wrong with it.
 # A shard that does not decompress or parse, or a record missing a field.
 _UNREADABLE = (*READ_ERRORS, KeyError, TypeError)
+# Pairs of shards with copies an export names; the rest are counted.
+_LISTED_COPIES = 10
 
 
 @click.group("shards")
@@ -214,3 +216,15 @@ def export(
     except _UNREADABLE as exc:
         raise click.ClickException(f"unreadable shard ({exc}); run `regen shards verify`") from exc
     click.echo(summary.line())
+    for first, copy, count, example in summary.duplicates[:_LISTED_COPIES]:
+        click.echo(
+            f"warning: {count:,} ids of {first} also in {copy} (e.g. {example}): exported "
+            "once, from the first",
+            err=True,
+        )
+    if len(summary.duplicates) > _LISTED_COPIES:
+        more = len(summary.duplicates) - _LISTED_COPIES
+        click.echo(f"warning: {more:,} more shards hold copies", err=True)
+    if summary.duplicates:
+        click.echo("warning: a shard or folder is there twice; `regen shards verify` "
+                   "lists every shard with copies", err=True)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 import tracemalloc
 from numbers import Integral
@@ -328,6 +329,66 @@ def test_cli_export_prints_a_summary(out_dir: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 1 and "unknown export format 'x'" in bad.output
     bad = runner.invoke(shards_group, ["export", str(out_dir), "--out", str(out), "--truncate"])
     assert bad.exit_code == 1 and "--max-length" in bad.output
+
+
+# --- an id in two shards ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "hf"])
+@pytest.mark.parametrize("seed", [None, 4])
+def test_a_copied_folder_is_exported_once(
+    out_dir: Path, tmp_path: Path, fmt: str, seed: int | None
+) -> None:
+    # A job folder copied beside itself (a backup put back under another name): its
+    # records name the same job, so each is the same record twice.
+    shutil.copytree(out_dir / "job-a", out_dir / "job-a.bak")
+    out = tmp_path / ("ds" if fmt == "hf" else "sf.jsonl")
+    summary = export(out_dir, out, ExportOptions(format=fmt, seed=seed))
+    rows = datasets.load_from_disk(str(out)) if fmt == "hf" else load_specforge(out)
+    expected = ids_and_masks(all_records(out_dir))
+    assert sorted(ids_and_masks(rows)) == sorted(expected)  # each id once
+    if seed is None:  # the first copy, in place: the export is the one without the copy
+        assert ids_and_masks(rows) == expected
+    assert summary.written == 75 and dict(summary.dropped) == {"duplicate_id": 50}
+    assert summary.duplicates == [
+        ("job-a/shard-000001.jsonl.zst", "job-a.bak/shard-000001.jsonl.zst", 30, "a0"),
+        ("job-a/shard-000002.jsonl.zst", "job-a.bak/shard-000002.jsonl.zst", 20, "b0"),
+    ]
+
+
+def test_a_restored_shard_and_a_twice_written_row_are_exported_once(tmp_path: Path) -> None:
+    job = tmp_path / "out" / "job-a"
+    write_shard(job, 1, [make_record("a"), make_record("b"), make_record("a")])
+    write_shard(job, 2, [make_record("c"), make_record("d")])
+    shutil.copy(job / "shard-000002.jsonl.zst", job / "shard-000007.jsonl.zst")
+    out = tmp_path / "sf.jsonl"
+    summary = export(job, out, ExportOptions(format="specforge"))
+    assert [row["id"] for row in load_specforge(out)] == ["a", "b", "c", "d"]
+    assert dict(summary.dropped) == {"duplicate_id": 3}
+    assert "duplicate_id 3" in summary.line()
+
+
+def test_the_same_prompt_in_two_jobs_is_two_records(tmp_path: Path) -> None:
+    # Prompt ids come from the prompt's content: two jobs over one dataset share them,
+    # and each job's answer is its own record.
+    write_shard(tmp_path / "out" / "job-a", 1, [make_record("a")])
+    other = make_record("a")
+    other["job"] = "job-b"
+    write_shard(tmp_path / "out" / "job-b", 1, [other])
+    out = tmp_path / "sf.jsonl"
+    summary = export(tmp_path / "out", out, ExportOptions(format="specforge"))
+    assert summary.written == 2 and not summary.dropped
+
+
+def test_cli_export_warns_of_ids_in_two_shards(out_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(out_dir / "job-a", out_dir / "job-a.bak")
+    out = tmp_path / "sf.jsonl"
+    result = CliRunner().invoke(
+        shards_group, ["export", str(out_dir), "--format", "specforge", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "30 ids of job-a/shard-000001.jsonl.zst also in job-a.bak/shard-000001" in result.output
+    assert "duplicate_id 50" in result.output and len(load_specforge(out)) == 75
 
 
 # --- scale -------------------------------------------------------------------------------

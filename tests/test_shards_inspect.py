@@ -4,6 +4,7 @@ commands that wrap them (export: test_export.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,26 @@ def test_verify_catches_a_duplicate_id_across_shards(job: Path) -> None:
     write_shard(job, 3, [make_record("b")])
     problems = verify(job)
     assert kinds(problems) == {"duplicate_id"}
-    assert problems[0].path == shard_name(3) and "id b" in problems[0].message
+    assert problems[0].path == shard_name(3)
+    assert f"1 id also in job-a/{shard_name(1)} (e.g. b)" in problems[0].message
+
+
+def test_verify_catches_a_copied_job_folder(job: Path) -> None:
+    shutil.copytree(job, job.parent / "job-a.bak")
+    problems = verify(job.parent)
+    assert [(p.job, p.path, p.kind) for p in problems] == [
+        ("job-a.bak", shard_name(1), "duplicate_id"), ("job-a.bak", shard_name(2), "duplicate_id"),
+    ]  # fmt: skip
+    assert f"3 ids also in job-a/{shard_name(1)} (e.g. a)" in problems[0].message
+    bad = CliRunner().invoke(shards_group, ["verify", str(job.parent), "--no-redis"])
+    assert bad.exit_code == 1 and "duplicate_id" in bad.output
+
+
+def test_verify_catches_an_id_twice_in_one_shard(tmp_path: Path) -> None:
+    write_shard(tmp_path / "job", 1, [make_record("a"), make_record("b"), make_record("a")])
+    problems = verify(tmp_path / "job")
+    assert [(p.path, p.kind) for p in problems] == [(shard_name(1), "duplicate_id")]
+    assert f"1 id also in job/{shard_name(1)} (e.g. a)" in problems[0].message
 
 
 def test_verify_catches_mask_and_count_errors(tmp_path: Path) -> None:

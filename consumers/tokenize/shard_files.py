@@ -48,6 +48,8 @@ READ_ERRORS = (zstandard.ZstdError, orjson.JSONDecodeError, UnicodeDecodeError)
 # line's first bytes without parsing the rest (token ids, messages) of it.
 _ID = re.compile(rb'"id":"([^"]*)"')
 _ID_WITHIN = 256
+# The same, with the job that follows the id ({"schema":"...","id":"...","job":"...").
+_ID_AND_JOB = re.compile(rb'\{"schema":"[^"]*","id":"([^"]*)","job":"([^"]*)"')
 
 
 def shard_name(seq: int) -> str:
@@ -329,6 +331,28 @@ def iter_ids(path: Path) -> Iterator[str]:
                 continue
             found = _ID.search(line, 0, _ID_WITHIN)
             yield found.group(1).decode() if found else str(orjson.loads(line)["id"])
+
+
+def iter_job_ids(path: Path) -> Iterator[tuple[str, str] | None]:
+    """(job, id) of every record in a shard, row for row as iter_records yields them,
+    without parsing whole records; None for a line that names neither (verify reports
+    it). Raises one of READ_ERRORS where the shard is damaged or cut short."""
+    with open_zstd(path) as lines:
+        for line in lines:
+            if line == b"\n":
+                continue
+            found = _ID_AND_JOB.match(line, 0, _ID_WITHIN)
+            if found and b"\\" not in found.group(0):
+                yield found.group(2).decode(), found.group(1).decode()
+                continue
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                yield None
+                continue
+            rid = record.get("id") if isinstance(record, dict) else None
+            job = record.get("job") if isinstance(record, dict) else None
+            yield (job, rid) if isinstance(rid, str) and isinstance(job, str) else None
 
 
 def describe(path: Path, epoch: int) -> ShardInfo:
