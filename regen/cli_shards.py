@@ -66,7 +66,8 @@ def stats(directory: Path, as_json: bool) -> None:
 @redis_url_option
 def verify(directory: Path, no_redis: bool, redis_url: str | None) -> None:
     """Check checksums, sizes, the manifest, every record's schema, masks and counts,
-    and that no id appears twice in a job; with Redis reachable (--redis-url, or the
+    and that no record (job and id) is in two shards or twice in one, across every job
+    folder of DIRECTORY; with Redis reachable (--redis-url, or the
     embedded one when it runs), also that Redis knows every shard and each id's shard,
     for each job it holds. Exit status 1 on any problem."""
     from regen.ops.shards_inspect import job_folders

@@ -35,11 +35,12 @@ Row = dict[str, Any]
 
 
 def records(prefix: str, n: int, job: str, seed: int) -> list[Row]:
-    """Records of varied lengths and random ids; every fifth with no generated token."""
+    """Records of varied lengths and random ids; every fifth with only its end-of-turn
+    token generated (a record has at least that one)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        record = make_record(f"{prefix}{i}", prompt=rng.randint(2, 12), completion=i % 5 * 3)
+        record = make_record(f"{prefix}{i}", prompt=rng.randint(2, 12), completion=i % 5 * 3 + 1)
         record["job"] = job
         record["input_ids"] = [rng.randrange(150_000) for _ in record["input_ids"]]
         out.append(record)
@@ -200,6 +201,55 @@ def test_conversations(tmp_path: Path) -> None:
         ExportOptions(max_length=4, truncate=True)
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "a*b",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+        },
+    }
+]
+
+
+def tool_call(call_id: str) -> Row:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "multiply", "arguments": '{"a": 2}'}}  # fmt: skip
+
+
+def test_conversations_keep_tool_calls_and_tools(tmp_path: Path) -> None:
+    record = make_record("t")
+    record["tools"] = TOOLS
+    record["tool_results"] = "dataset"
+    record["messages"] = [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("call_1")]},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "multiply"},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "hm",
+         "tool_calls": [tool_call("call_2")]},
+    ]  # fmt: skip
+    job = tmp_path / "out" / "job-a"
+    write_shard(job, 1, [record, make_record("plain")])
+    out = tmp_path / "conv.jsonl"
+    export(job, out)
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert rows[0] == {"id": "t", "tools": TOOLS, "conversations": record["messages"]}
+    assert "tools" not in rows[1]  # a row without tools has no key for them
+
+
+def test_a_row_with_nothing_to_train_on_is_dropped(tmp_path: Path) -> None:
+    job = tmp_path / "out" / "job-a"
+    write_shard(job, 1, [make_record("long-prompt", prompt=12, completion=3),
+                         make_record("fits", prompt=3, completion=3)])  # fmt: skip
+    out = tmp_path / "sf.jsonl"
+    # Cut to 8 tokens, the first record is all prompt: a row with an all-zero mask.
+    summary = export(job, out, ExportOptions(format="specforge", max_length=8, truncate=True))
+    assert [row["id"] for row in load_specforge(out)] == ["fits"]
+    assert dict(summary.dropped) == {"no_loss_tokens": 1} and summary.cut == 0
+    assert "dropped 1 (no_loss_tokens 1)" in summary.line()
+
+
 # --- options -----------------------------------------------------------------------------
 
 
@@ -219,11 +269,14 @@ def test_max_length_truncate_cuts(out_dir: Path, tmp_path: Path) -> None:
     options = ExportOptions(format="speculators", max_length=10, truncate=True)
     summary = export(out_dir, out, options)
     rows = list(load_speculators(out, tmp_path / "hf-cache"))
+    # A prompt of 10 tokens or more is cut to no answer at all: nothing to train on.
+    kept = [r for r in shards if sum(r["loss_mask"][:10])]
     assert ids_and_masks(rows) == [
-        (r["id"], r["input_ids"][:10], r["loss_mask"][:10]) for r in shards
+        (r["id"], r["input_ids"][:10], r["loss_mask"][:10]) for r in kept
     ]
-    long = [row for row, r in zip(rows, shards, strict=True) if len(r["input_ids"]) > 10]
-    assert summary.cut == len(long) > 0 and summary.dropped.total() == 0
+    long = [row for row, r in zip(rows, kept, strict=True) if len(r["input_ids"]) > 10]
+    assert summary.cut == len(long) > 0
+    assert dict(summary.dropped) == {"no_loss_tokens": len(shards) - len(kept)} != {}
     for row in long:
         assert row["seq_len"] == 10 == row["prompt_tokens"] + row["completion_tokens"]
         assert row["completion_tokens"] == sum(row["loss_mask"])
@@ -237,7 +290,11 @@ def test_min_loss_tokens_counts_after_the_cut(out_dir: Path, tmp_path: Path) -> 
     summary = export(out_dir, out, options)
     kept = [r for r in shards if sum(r["loss_mask"][:12]) >= 3]
     assert [row["id"] for row in load_specforge(out)] == [r["id"] for r in kept]
-    assert dict(summary.dropped) == {"few_loss_tokens": len(shards) - len(kept)}
+    none = sum(not sum(r["loss_mask"][:12]) for r in shards)
+    assert dict(summary.dropped) == {
+        "no_loss_tokens": none, "few_loss_tokens": len(shards) - len(kept) - none,
+    }  # fmt: skip
+    assert none > 0
     assert summary.cut == sum(len(r["input_ids"]) > 12 for r in kept)
 
 
@@ -252,7 +309,7 @@ def test_shuffle_is_deterministic_by_seed(out_dir: Path, tmp_path: Path) -> None
     assert first == again
     assert first != other and first != in_shards
     assert sorted(first) == sorted(other) == sorted(in_shards)
-    assert not [p for p in tmp_path.iterdir() if "shuffle" in p.name]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # scratch removed
 
 
 def test_shuffle_order_does_not_depend_on_the_bucket_count(tmp_path: Path) -> None:
@@ -316,7 +373,7 @@ def test_cli_export_prints_a_summary(out_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "sf.jsonl"
     args = ["export", str(out_dir), "--format", "specforge", "--out", str(out),
             "--jobs", "job-a,job-b", "--max-length", "10", "--shuffle", "--seed", "3",
-            "--split", "0.2", "--min-loss-tokens", "1"]  # fmt: skip
+            "--split", "0.2", "--min-loss-tokens", "2"]  # fmt: skip
     result = runner.invoke(shards_group, args)
     assert result.exit_code == 0, result.output
     (line,) = result.output.splitlines()

@@ -6,7 +6,8 @@ folder). What is exported, in this order: the records of the jobs chosen (all by
 default), each once (a record found again in a later shard, by its job and id, is
 skipped and counted: shard_copies); less those longer than `max_length` (dropped, or
 cut to it with `truncate`);
-less those with fewer than `min_loss_tokens` trained tokens; split into a held-out set by
+less those with no trained token (a prompt cut to max_length) or fewer than
+`min_loss_tokens`; split into a held-out set by
 id; shuffled by a seed. Records are read once and streamed, and the shuffle spills to
 disk (export_order), as does the search for copies, so memory stays flat however many
 records there are.
@@ -40,6 +41,8 @@ class Dropped:
 
     DUPLICATE_ID = "duplicate_id"  # a copy of a record exported from an earlier shard
     TOO_LONG = "too_long"
+    # Nothing to train on: a prompt longer than max_length cut to it (with truncate).
+    NO_LOSS_TOKENS = "no_loss_tokens"
     FEW_LOSS_TOKENS = "few_loss_tokens"
 
 
@@ -222,7 +225,11 @@ def _fit(record: Row, options: ExportOptions, summary: ExportSummary) -> Row | N
             summary.dropped[Dropped.TOO_LONG] += 1
             return None
         record, cut = _cut(record, length), True
-    if sum(record["loss_mask"]) < options.min_loss_tokens:
+    trained = sum(record["loss_mask"])
+    if not trained:  # a row of prompt alone teaches nothing and can upset a trainer's loss
+        summary.dropped[Dropped.NO_LOSS_TOKENS] += 1
+        return None
+    if trained < options.min_loss_tokens:
         summary.dropped[Dropped.FEW_LOSS_TOKENS] += 1
         return None
     summary.cut += cut
