@@ -270,7 +270,9 @@ def test_cli_stats_and_export(job: Path, tmp_path: Path) -> None:
     out = tmp_path / "conv.jsonl"
     exported = runner.invoke(shards_group, ["export", str(job), "--out", str(out)])
     assert exported.exit_code == 0, exported.output
-    assert len(out.read_bytes().splitlines()) == 5
+    # "d" generated nothing: a row with nothing to train on is dropped, and counted.
+    assert len(out.read_bytes().splitlines()) == 4
+    assert "dropped 1 (no_loss_tokens 1)" in exported.output
     assert next(iter_records(job / shard_name(1)))["id"] == "a"
 
 
