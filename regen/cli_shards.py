@@ -73,11 +73,12 @@ def verify(directory: Path, no_redis: bool, redis_url: str | None) -> None:
     from regen.ops.shards_inspect import job_folders
     from regen.ops.shards_inspect import verify as verify_shards
 
-    problems = verify_shards(directory)
+    found = verify_shards(directory)
     if not no_redis:
-        problems += _against_redis(directory, redis_url)
-    for problem in problems:
+        found += _against_redis(directory, redis_url)
+    for problem in found:
         click.echo(str(problem))
+    problems = [problem for problem in found if not problem.warning]
     if problems:
         click.echo(f"{len(problems)} problem(s)", err=True)
         raise SystemExit(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ from regen.cli_shards import shards_group
 from regen.consumers.tokenize.record import RECORD_SCHEMA
 from regen.consumers.tokenize.shard_files import (
     MANIFEST,
+    MAX_MANIFEST_LINE,
     OpenShard,
     ShardInfo,
     iter_records,
     place,
+    read_manifest,
     shard_name,
     shard_paths,
 )
@@ -217,6 +220,60 @@ def test_verify_catches_manifest_disagreements(job: Path) -> None:
     assert {(p.path, p.kind) for p in problems} == {
         (MANIFEST, "manifest_line"), (shard_name(1), "manifest_mismatch"),
     }  # fmt: skip
+
+
+# A crash mid-append leaves a prefix of the line, or (a filesystem that grew the file
+# before writing its data) zero bytes.
+TORN_TAILS = [b'{"shard":"shard-000003.jsonl.zst","ro', b"\0" * 300]
+
+
+@pytest.mark.parametrize("tail", TORN_TAILS)
+def test_a_torn_last_manifest_line_is_a_warning(job: Path, tail: bytes) -> None:
+    with open(job / MANIFEST, "ab") as fh:
+        fh.write(tail)
+    problems = verify(job)
+    assert [(p.path, p.kind, p.warning) for p in problems] == [
+        (MANIFEST, "torn_manifest_line", True)
+    ]
+    result = CliRunner().invoke(shards_group, ["verify", str(job), "--no-redis"])
+    assert result.exit_code == 0, result.output
+    assert "warning: job-a/manifest.jsonl: torn_manifest_line: line 3" in result.output
+
+
+@pytest.mark.parametrize("tail", TORN_TAILS)
+def test_the_next_append_repairs_a_torn_manifest_line(job: Path, tail: bytes) -> None:
+    with open(job / MANIFEST, "ab") as fh:
+        fh.write(tail)
+    write_shard(job, 3, [make_record("f")])  # the writer's next shard
+    lines = (job / MANIFEST).read_bytes().splitlines()
+    assert [orjson.loads(line)["shard"] for line in lines] == [shard_name(n) for n in (1, 2, 3)]
+    assert verify(job) == []
+
+
+def test_a_complete_last_line_without_its_newline_is_kept(job: Path) -> None:
+    (job / MANIFEST).write_bytes((job / MANIFEST).read_bytes().rstrip(b"\n"))
+    write_shard(job, 3, [make_record("f")])
+    assert verify(job) == [] and len((job / MANIFEST).read_bytes().splitlines()) == 3
+
+
+def test_a_huge_manifest_line_is_refused_without_reading_it_whole(job: Path) -> None:
+    lines = (job / MANIFEST).read_bytes().splitlines(keepends=True)
+    huge = b'{"shard":"' + b"x" * (8 << 20) + b'"}\n'
+    (job / MANIFEST).write_bytes(lines[0] + huge + lines[1])
+    tracemalloc.start()
+    try:
+        manifest = read_manifest(job)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert sorted(manifest.shards) == [shard_name(1), shard_name(2)]  # the lines around it
+    problems = verify(job)
+    assert [(p.path, p.kind) for p in problems] == [(MANIFEST, "manifest_line")]
+    assert f"line 2 is over {MAX_MANIFEST_LINE:,} bytes" in problems[0].message
+    # A writer appends after it all the same, on a fresh line.
+    write_shard(job, 3, [make_record("f")])
+    assert sorted(read_manifest(job).shards) == [shard_name(n) for n in (1, 2, 3)]
 
 
 def test_verify_an_empty_folder(tmp_path: Path) -> None:

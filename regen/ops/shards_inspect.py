@@ -126,9 +126,12 @@ class Problem:
     path: str  # the file inside the job folder
     kind: str
     message: str
+    # Worth knowing, but nothing is wrong with the data (verify exits 0 on warnings alone).
+    warning: bool = False
 
     def __str__(self) -> str:
-        return f"{self.job}/{self.path}: {self.kind}: {self.message}"
+        text = f"{self.job}/{self.path}: {self.kind}: {self.message}"
+        return f"warning: {text}" if self.warning else text
 
 
 def verify(folder: Path) -> list[Problem]:
@@ -160,13 +163,18 @@ def verify(folder: Path) -> list[Problem]:
 def _verify_job(job: Path, finder: CopyFinder, numbers: dict[Path, int]) -> list[Problem]:
     problems: list[Problem] = []
 
-    def report(path: str, kind: str, message: str) -> None:
-        problems.append(Problem(job.name, path, kind, message))
+    def report(path: str, kind: str, message: str, warning: bool = False) -> None:
+        problems.append(Problem(job.name, path, kind, message, warning))
 
     manifest_file = read_manifest(job)
     manifest = manifest_file.shards
+    for _, why in manifest_file.bad:
+        report(MANIFEST, "manifest_line", why)
     for line in manifest_file.torn:
-        report(MANIFEST, "manifest_line", f"unreadable line {line}")
+        # A crash mid-append: the shard it was for is listed by a later line (recovery
+        # rebuilds it) or reported unlisted below; the next append cuts a last one off.
+        why = f"line {line}: torn by a crash mid-append; ignored"
+        report(MANIFEST, "torn_manifest_line", why, warning=True)
     on_disk = {p.name for p in shard_paths(job)}
     for name in sorted(manifest.keys() - on_disk):
         report(name, "missing_shard", "listed in the manifest, not on disk")
