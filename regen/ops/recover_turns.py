@@ -125,22 +125,37 @@ def _window_chunks(r: redis.Redis, spec: JobSpec) -> Iterator[Chunk]:
     """The job's chunks on its queues and in flight (kombu's `unacked`), each once."""
     seen: set[str] = set()
     for payload in _window_payloads(r, spec):
-        if payload.get("job") == spec.name and payload.get("chunk") not in seen:
-            seen.add(str(payload.get("chunk")))
+        if payload.get("job") != spec.name or payload.get("chunk") in seen:
+            continue
+        seen.add(str(payload.get("chunk")))
+        try:
             yield Chunk.from_payload(payload)
+        except (ValueError, AttributeError):  # a poison message: generate dead-letters it
+            continue
 
 
 def _window_payloads(r: redis.Redis, spec: JobSpec) -> Iterator[dict[str, Any]]:
+    """Chunk payloads on the job's queues, then in `unacked`; anything else skipped."""
     for queue in queue_lists(spec.queue):
         first = 0
         while raws := r.lrange(queue, first, first + MESSAGES_PER_CALL - 1):
             for raw in raws:
-                payload = decode_chunk_message(orjson.loads(raw))
+                payload = _payload(raw, unacked=False)
                 if payload is not None:
                     yield payload
             first += MESSAGES_PER_CALL
     for _, raw in r.hscan_iter(keys.KOMBU_UNACKED, count=MESSAGES_PER_CALL):
-        message, _exchange, _routing_key = orjson.loads(raw)
-        payload = decode_chunk_message(message)
+        payload = _payload(raw, unacked=True)
         if payload is not None:
             yield payload
+
+
+def _payload(raw: bytes | str, unacked: bool) -> dict[str, Any] | None:
+    """The chunk payload of a kombu message (in `unacked`: [message, exchange, key])."""
+    try:
+        message = orjson.loads(raw)
+        if unacked:
+            message = message[0]
+    except (orjson.JSONDecodeError, TypeError, KeyError, IndexError):
+        return None
+    return decode_chunk_message(message) if isinstance(message, dict) else None
