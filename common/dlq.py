@@ -6,7 +6,8 @@ holds what is needed to requeue it without re-reading the dataset.
 
 Entry ids: the prompt id, `row:<hash of file and row>` for a dataset row that gave no
 prompt, `task:<task id or hash>` for a message on a generate queue that was no chunk for
-it (consumers/generate/poison.py).
+it (consumers/generate/poison.py), `result:raw-<hash>` for a results-stream entry that
+names no prompt of its job (consumers/tokenize/entries.py).
 
 Reason codes: one `ReasonCode` enum per stage, each with its stage's checks:
 producer.rows.Reason (input), consumers.generate.reasons.Reason (generate),

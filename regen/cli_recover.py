@@ -73,6 +73,11 @@ def _print(report: Recovery) -> None:
                f"left to their writers: {_names(report.claims_left)}")  # fmt: skip
     click.echo(f"  shard counter {report.seq[0]} -> {report.seq[1]}, "
                f"epoch {report.epoch[0]} -> {report.epoch[1]}")  # fmt: skip
+    if report.turns_resumed:
+        click.echo(f"  {report.turns_resumed} committed turn(s) of "
+                   f"{report.conversations_resumed} conversation(s) in the chunks Redis holds "
+                   "marked generated, their answers checkpointed from the shards: the "
+                   "conversations resume after them")  # fmt: skip
     click.echo(f"  enqueue cursors dropped ({report.cursors_dropped}): run the job's "
                "`regen enqueue` command again; it re-reads every file and queues only the "
                "prompts with no record and no dead letter")  # fmt: skip

@@ -22,6 +22,8 @@ _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 # What reading a damaged shard raises; verify says what is wrong with it.
 # A shard that does not decompress or parse, or a record missing a field.
 _UNREADABLE = (*READ_ERRORS, KeyError, TypeError)
+# Pairs of shards with copies an export names; the rest are counted.
+_LISTED_COPIES = 10
 
 
 @click.group("shards")
@@ -66,17 +68,19 @@ def stats(directory: Path, as_json: bool) -> None:
 @redis_url_option
 def verify(directory: Path, no_redis: bool, redis_url: str | None) -> None:
     """Check checksums, sizes, the manifest, every record's schema, masks and counts,
-    and that no id appears twice in a job; with Redis reachable (--redis-url, or the
+    and that no record (job and id) is in two shards or twice in one, across every job
+    folder of DIRECTORY; with Redis reachable (--redis-url, or the
     embedded one when it runs), also that Redis knows every shard and each id's shard,
     for each job it holds. Exit status 1 on any problem."""
     from regen.ops.shards_inspect import job_folders
     from regen.ops.shards_inspect import verify as verify_shards
 
-    problems = verify_shards(directory)
+    found = verify_shards(directory)
     if not no_redis:
-        problems += _against_redis(directory, redis_url)
-    for problem in problems:
+        found += _against_redis(directory, redis_url)
+    for problem in found:
         click.echo(str(problem))
+    problems = [problem for problem in found if not problem.warning]
     if problems:
         click.echo(f"{len(problems)} problem(s)", err=True)
         raise SystemExit(1)
@@ -265,3 +269,15 @@ def export(
     except _UNREADABLE as exc:
         raise click.ClickException(f"unreadable shard ({exc}); run `regen shards verify`") from exc
     click.echo(summary.line())
+    for first, copy, count, example in summary.duplicates[:_LISTED_COPIES]:
+        click.echo(
+            f"warning: {count:,} ids of {first} also in {copy} (e.g. {example}): exported "
+            "once, from the first",
+            err=True,
+        )
+    if len(summary.duplicates) > _LISTED_COPIES:
+        more = len(summary.duplicates) - _LISTED_COPIES
+        click.echo(f"warning: {more:,} more shards hold copies", err=True)
+    if summary.duplicates:
+        click.echo("warning: a shard or folder is there twice; `regen shards verify` "
+                   "lists every shard with copies", err=True)  # fmt: skip

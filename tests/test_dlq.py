@@ -127,6 +127,8 @@ def test_reason_codes_are_the_strings_stored_in_redis(r: redis.Redis) -> None:
         "aborted", "unknown_finish_reason", "count_mismatch", "stop_mismatch",
         "text_mismatch", "truncated", "truncated_dropped", "unexpected_thinking",
         "missing_thinking", "unclosed_thinking", "render_failed",
+        "entry_without_result", "result_not_json", "result_not_an_object",
+        "result_missing_fields", "result_wrong_type", "malformed_result",
     ]  # fmt: skip
     letter = dataclasses.replace(generate_letter(1), reason=GenerateReason.POISON_CHUNK)
     plant(r, [letter])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 import tracemalloc
 from numbers import Integral
@@ -34,11 +35,12 @@ Row = dict[str, Any]
 
 
 def records(prefix: str, n: int, job: str, seed: int) -> list[Row]:
-    """Records of varied lengths and random ids; every fifth with no generated token."""
+    """Records of varied lengths and random ids; every fifth with only its end-of-turn
+    token generated (a record has at least that one)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        record = make_record(f"{prefix}{i}", prompt=rng.randint(2, 12), completion=i % 5 * 3)
+        record = make_record(f"{prefix}{i}", prompt=rng.randint(2, 12), completion=i % 5 * 3 + 1)
         record["job"] = job
         record["input_ids"] = [rng.randrange(150_000) for _ in record["input_ids"]]
         out.append(record)
@@ -246,6 +248,55 @@ def test_conversations(tmp_path: Path) -> None:
         ExportOptions(max_length=4, truncate=True)
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "a*b",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+        },
+    }
+]
+
+
+def tool_call(call_id: str) -> Row:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "multiply", "arguments": '{"a": 2}'}}  # fmt: skip
+
+
+def test_conversations_keep_tool_calls_and_tools(tmp_path: Path) -> None:
+    record = make_record("t")
+    record["tools"] = TOOLS
+    record["tool_results"] = "dataset"
+    record["messages"] = [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("call_1")]},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "multiply"},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "hm",
+         "tool_calls": [tool_call("call_2")]},
+    ]  # fmt: skip
+    job = tmp_path / "out" / "job-a"
+    write_shard(job, 1, [record, make_record("plain")])
+    out = tmp_path / "conv.jsonl"
+    export(job, out)
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert rows[0] == {"id": "t", "tools": TOOLS, "conversations": record["messages"]}
+    assert "tools" not in rows[1]  # a row without tools has no key for them
+
+
+def test_a_row_with_nothing_to_train_on_is_dropped(tmp_path: Path) -> None:
+    job = tmp_path / "out" / "job-a"
+    write_shard(job, 1, [make_record("long-prompt", prompt=12, completion=3),
+                         make_record("fits", prompt=3, completion=3)])  # fmt: skip
+    out = tmp_path / "sf.jsonl"
+    # Cut to 8 tokens, the first record is all prompt: a row with an all-zero mask.
+    summary = export(job, out, ExportOptions(format="specforge", max_length=8, truncate=True))
+    assert [row["id"] for row in load_specforge(out)] == ["fits"]
+    assert dict(summary.dropped) == {"no_loss_tokens": 1} and summary.cut == 0
+    assert "dropped 1 (no_loss_tokens 1)" in summary.line()
+
+
 # --- options -----------------------------------------------------------------------------
 
 
@@ -265,11 +316,14 @@ def test_max_length_truncate_cuts(out_dir: Path, tmp_path: Path) -> None:
     options = ExportOptions(format="speculators", max_length=10, truncate=True)
     summary = export(out_dir, out, options)
     rows = list(load_speculators(out, tmp_path / "hf-cache"))
+    # A prompt of 10 tokens or more is cut to no answer at all: nothing to train on.
+    kept = [r for r in shards if sum(r["loss_mask"][:10])]
     assert ids_and_masks(rows) == [
-        (r["id"], r["input_ids"][:10], r["loss_mask"][:10]) for r in shards
+        (r["id"], r["input_ids"][:10], r["loss_mask"][:10]) for r in kept
     ]
-    long = [row for row, r in zip(rows, shards, strict=True) if len(r["input_ids"]) > 10]
-    assert summary.cut == len(long) > 0 and summary.dropped.total() == 0
+    long = [row for row, r in zip(rows, kept, strict=True) if len(r["input_ids"]) > 10]
+    assert summary.cut == len(long) > 0
+    assert dict(summary.dropped) == {"no_loss_tokens": len(shards) - len(kept)} != {}
     for row in long:
         assert row["seq_len"] == 10 == row["prompt_tokens"] + row["completion_tokens"]
         assert row["completion_tokens"] == sum(row["loss_mask"])
@@ -283,7 +337,11 @@ def test_min_loss_tokens_counts_after_the_cut(out_dir: Path, tmp_path: Path) -> 
     summary = export(out_dir, out, options)
     kept = [r for r in shards if sum(r["loss_mask"][:12]) >= 3]
     assert [row["id"] for row in load_specforge(out)] == [r["id"] for r in kept]
-    assert dict(summary.dropped) == {"few_loss_tokens": len(shards) - len(kept)}
+    none = sum(not sum(r["loss_mask"][:12]) for r in shards)
+    assert dict(summary.dropped) == {
+        "no_loss_tokens": none, "few_loss_tokens": len(shards) - len(kept) - none,
+    }  # fmt: skip
+    assert none > 0
     assert summary.cut == sum(len(r["input_ids"]) > 12 for r in kept)
 
 
@@ -298,7 +356,7 @@ def test_shuffle_is_deterministic_by_seed(out_dir: Path, tmp_path: Path) -> None
     assert first == again
     assert first != other and first != in_shards
     assert sorted(first) == sorted(other) == sorted(in_shards)
-    assert not [p for p in tmp_path.iterdir() if "shuffle" in p.name]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # scratch removed
 
 
 def test_shuffle_order_does_not_depend_on_the_bucket_count(tmp_path: Path) -> None:
@@ -362,7 +420,7 @@ def test_cli_export_prints_a_summary(out_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "sf.jsonl"
     args = ["export", str(out_dir), "--format", "specforge", "--out", str(out),
             "--jobs", "job-a,job-b", "--max-length", "10", "--shuffle", "--seed", "3",
-            "--split", "0.2", "--min-loss-tokens", "1"]  # fmt: skip
+            "--split", "0.2", "--min-loss-tokens", "2"]  # fmt: skip
     result = runner.invoke(shards_group, args)
     assert result.exit_code == 0, result.output
     (line,) = result.output.splitlines()
@@ -375,6 +433,66 @@ def test_cli_export_prints_a_summary(out_dir: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 1 and "unknown export format 'x'" in bad.output
     bad = runner.invoke(shards_group, ["export", str(out_dir), "--out", str(out), "--truncate"])
     assert bad.exit_code == 1 and "--max-length" in bad.output
+
+
+# --- an id in two shards ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "hf"])
+@pytest.mark.parametrize("seed", [None, 4])
+def test_a_copied_folder_is_exported_once(
+    out_dir: Path, tmp_path: Path, fmt: str, seed: int | None
+) -> None:
+    # A job folder copied beside itself (a backup put back under another name): its
+    # records name the same job, so each is the same record twice.
+    shutil.copytree(out_dir / "job-a", out_dir / "job-a.bak")
+    out = tmp_path / ("ds" if fmt == "hf" else "sf.jsonl")
+    summary = export(out_dir, out, ExportOptions(format=fmt, seed=seed))
+    rows = datasets.load_from_disk(str(out)) if fmt == "hf" else load_specforge(out)
+    expected = ids_and_masks(all_records(out_dir))
+    assert sorted(ids_and_masks(rows)) == sorted(expected)  # each id once
+    if seed is None:  # the first copy, in place: the export is the one without the copy
+        assert ids_and_masks(rows) == expected
+    assert summary.written == 75 and dict(summary.dropped) == {"duplicate_id": 50}
+    assert summary.duplicates == [
+        ("job-a/shard-000001.jsonl.zst", "job-a.bak/shard-000001.jsonl.zst", 30, "a0"),
+        ("job-a/shard-000002.jsonl.zst", "job-a.bak/shard-000002.jsonl.zst", 20, "b0"),
+    ]
+
+
+def test_a_restored_shard_and_a_twice_written_row_are_exported_once(tmp_path: Path) -> None:
+    job = tmp_path / "out" / "job-a"
+    write_shard(job, 1, [make_record("a"), make_record("b"), make_record("a")])
+    write_shard(job, 2, [make_record("c"), make_record("d")])
+    shutil.copy(job / "shard-000002.jsonl.zst", job / "shard-000007.jsonl.zst")
+    out = tmp_path / "sf.jsonl"
+    summary = export(job, out, ExportOptions(format="specforge"))
+    assert [row["id"] for row in load_specforge(out)] == ["a", "b", "c", "d"]
+    assert dict(summary.dropped) == {"duplicate_id": 3}
+    assert "duplicate_id 3" in summary.line()
+
+
+def test_the_same_prompt_in_two_jobs_is_two_records(tmp_path: Path) -> None:
+    # Prompt ids come from the prompt's content: two jobs over one dataset share them,
+    # and each job's answer is its own record.
+    write_shard(tmp_path / "out" / "job-a", 1, [make_record("a")])
+    other = make_record("a")
+    other["job"] = "job-b"
+    write_shard(tmp_path / "out" / "job-b", 1, [other])
+    out = tmp_path / "sf.jsonl"
+    summary = export(tmp_path / "out", out, ExportOptions(format="specforge"))
+    assert summary.written == 2 and not summary.dropped
+
+
+def test_cli_export_warns_of_ids_in_two_shards(out_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(out_dir / "job-a", out_dir / "job-a.bak")
+    out = tmp_path / "sf.jsonl"
+    result = CliRunner().invoke(
+        shards_group, ["export", str(out_dir), "--format", "specforge", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "30 ids of job-a/shard-000001.jsonl.zst also in job-a.bak/shard-000001" in result.output
+    assert "duplicate_id 50" in result.output and len(load_specforge(out)) == 75
 
 
 # --- scale -------------------------------------------------------------------------------

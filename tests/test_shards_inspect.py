@@ -4,6 +4,8 @@ commands that wrap them (export: test_export.py)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,12 @@ from regen.cli_shards import shards_group
 from regen.consumers.tokenize.record import RECORD_SCHEMA
 from regen.consumers.tokenize.shard_files import (
     MANIFEST,
+    MAX_MANIFEST_LINE,
     OpenShard,
     ShardInfo,
     iter_records,
     place,
+    read_manifest,
     shard_name,
     shard_paths,
 )
@@ -143,7 +147,26 @@ def test_verify_catches_a_duplicate_id_across_shards(job: Path) -> None:
     write_shard(job, 3, [make_record("b")])
     problems = verify(job)
     assert kinds(problems) == {"duplicate_id"}
-    assert problems[0].path == shard_name(3) and "id b" in problems[0].message
+    assert problems[0].path == shard_name(3)
+    assert f"1 id also in job-a/{shard_name(1)} (e.g. b)" in problems[0].message
+
+
+def test_verify_catches_a_copied_job_folder(job: Path) -> None:
+    shutil.copytree(job, job.parent / "job-a.bak")
+    problems = verify(job.parent)
+    assert [(p.job, p.path, p.kind) for p in problems] == [
+        ("job-a.bak", shard_name(1), "duplicate_id"), ("job-a.bak", shard_name(2), "duplicate_id"),
+    ]  # fmt: skip
+    assert f"3 ids also in job-a/{shard_name(1)} (e.g. a)" in problems[0].message
+    bad = CliRunner().invoke(shards_group, ["verify", str(job.parent), "--no-redis"])
+    assert bad.exit_code == 1 and "duplicate_id" in bad.output
+
+
+def test_verify_catches_an_id_twice_in_one_shard(tmp_path: Path) -> None:
+    write_shard(tmp_path / "job", 1, [make_record("a"), make_record("b"), make_record("a")])
+    problems = verify(tmp_path / "job")
+    assert [(p.path, p.kind) for p in problems] == [(shard_name(1), "duplicate_id")]
+    assert f"1 id also in job/{shard_name(1)} (e.g. a)" in problems[0].message
 
 
 def test_verify_catches_mask_and_count_errors(tmp_path: Path) -> None:
@@ -199,6 +222,60 @@ def test_verify_catches_manifest_disagreements(job: Path) -> None:
     }  # fmt: skip
 
 
+# A crash mid-append leaves a prefix of the line, or (a filesystem that grew the file
+# before writing its data) zero bytes.
+TORN_TAILS = [b'{"shard":"shard-000003.jsonl.zst","ro', b"\0" * 300]
+
+
+@pytest.mark.parametrize("tail", TORN_TAILS)
+def test_a_torn_last_manifest_line_is_a_warning(job: Path, tail: bytes) -> None:
+    with open(job / MANIFEST, "ab") as fh:
+        fh.write(tail)
+    problems = verify(job)
+    assert [(p.path, p.kind, p.warning) for p in problems] == [
+        (MANIFEST, "torn_manifest_line", True)
+    ]
+    result = CliRunner().invoke(shards_group, ["verify", str(job), "--no-redis"])
+    assert result.exit_code == 0, result.output
+    assert "warning: job-a/manifest.jsonl: torn_manifest_line: line 3" in result.output
+
+
+@pytest.mark.parametrize("tail", TORN_TAILS)
+def test_the_next_append_repairs_a_torn_manifest_line(job: Path, tail: bytes) -> None:
+    with open(job / MANIFEST, "ab") as fh:
+        fh.write(tail)
+    write_shard(job, 3, [make_record("f")])  # the writer's next shard
+    lines = (job / MANIFEST).read_bytes().splitlines()
+    assert [orjson.loads(line)["shard"] for line in lines] == [shard_name(n) for n in (1, 2, 3)]
+    assert verify(job) == []
+
+
+def test_a_complete_last_line_without_its_newline_is_kept(job: Path) -> None:
+    (job / MANIFEST).write_bytes((job / MANIFEST).read_bytes().rstrip(b"\n"))
+    write_shard(job, 3, [make_record("f")])
+    assert verify(job) == [] and len((job / MANIFEST).read_bytes().splitlines()) == 3
+
+
+def test_a_huge_manifest_line_is_refused_without_reading_it_whole(job: Path) -> None:
+    lines = (job / MANIFEST).read_bytes().splitlines(keepends=True)
+    huge = b'{"shard":"' + b"x" * (8 << 20) + b'"}\n'
+    (job / MANIFEST).write_bytes(lines[0] + huge + lines[1])
+    tracemalloc.start()
+    try:
+        manifest = read_manifest(job)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert sorted(manifest.shards) == [shard_name(1), shard_name(2)]  # the lines around it
+    problems = verify(job)
+    assert [(p.path, p.kind) for p in problems] == [(MANIFEST, "manifest_line")]
+    assert f"line 2 is over {MAX_MANIFEST_LINE:,} bytes" in problems[0].message
+    # A writer appends after it all the same, on a fresh line.
+    write_shard(job, 3, [make_record("f")])
+    assert sorted(read_manifest(job).shards) == [shard_name(n) for n in (1, 2, 3)]
+
+
 def test_verify_an_empty_folder(tmp_path: Path) -> None:
     assert kinds(verify(tmp_path)) == {"no_jobs"}
 
@@ -250,7 +327,9 @@ def test_cli_stats_and_export(job: Path, tmp_path: Path) -> None:
     out = tmp_path / "conv.jsonl"
     exported = runner.invoke(shards_group, ["export", str(job), "--out", str(out)])
     assert exported.exit_code == 0, exported.output
-    assert len(out.read_bytes().splitlines()) == 5
+    # "d" generated nothing: a row with nothing to train on is dropped, and counted.
+    assert len(out.read_bytes().splitlines()) == 4
+    assert "dropped 1 (no_loss_tokens 1)" in exported.output
     assert next(iter_records(job / shard_name(1)))["id"] == "a"
 
 

@@ -4,7 +4,9 @@ Stream entries are acknowledged only when the shard holding their record is in p
 and committed (docs/design.md, Exactly-once commits), or at once when their id is
 already in a committed shard (a duplicate from a chunk that ran twice). An entry whose id
 is claimed by a shard that is still pending is left alone: it is either committed (then
-a later delivery is a duplicate) or released (then it is written again).
+a later delivery is a duplicate) or released (then it is written again). An entry
+that holds no readable result is dead-lettered with its bytes, never left to stop the
+stage (entries.py; docs/design.md, Tokenize).
 
 The disk is the truth for committed shards: a writer checks that Redis knows every
 shard of its folder when it opens the job and before each commit, never takes a shard
@@ -22,6 +24,7 @@ import redis
 
 from regen.common import crashpoints, defaults, dlq, keys, provenance
 from regen.common.connection import OUTAGE_ERRORS
+from regen.common.id_buckets import BucketedIds
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.disk_truth import (
@@ -30,6 +33,7 @@ from regen.consumers.tokenize.disk_truth import (
     ensure_current,
     manifest_epoch,
 )
+from regen.consumers.tokenize.entries import Unreadable, read_entry
 from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
 from regen.consumers.tokenize.shard_files import (
     OpenShard,
@@ -47,6 +51,16 @@ from regen.consumers.tokenize.shard_files import (
 )
 
 log = logging.getLogger("regen.tokenize")
+
+# What an entry gives: a result, or an unreadable entry that names a prompt of the job.
+Taken = GeneratedResult | Unreadable
+# Errors building a record of a well-typed result can still raise on odd content (a
+# message without a role, an id past the vocabulary): such a result is dead-lettered.
+_BUILD_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
+
+
+def _prompt_of(taken: Taken) -> str:
+    return taken.id if isinstance(taken, GeneratedResult) else str(taken.prompt_id)
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,9 @@ class JobWriter:
         self.counters = WriterCounters()
         self._r = r
         self._ledger = CommitLedger(r, job)
+        # The job's ids (producer/job_ids.py), to tell whether an unreadable entry's id
+        # is a prompt of the job.
+        self._job_ids = BucketedIds(r, context.spec.id_buckets, lambda b: keys.job_ids(job, b))
         self._context = context
         self._policy = policy
         self._shard: OpenShard | None = None
@@ -119,19 +136,26 @@ class JobWriter:
 
     def take(self, entries: list[tuple[str, dict[bytes, bytes] | None]]) -> None:
         """Handle a batch of stream entries (id, fields); fields None = deleted entry."""
-        results = []
+        results: list[tuple[str, Taken]] = []
+        unreadable: list[tuple[str, Unreadable]] = []
         for entry_id, fields in entries:
             if fields is None:  # deleted after a commit: nothing left to do
                 self._ack([entry_id])
                 continue
-            results.append((entry_id, GeneratedResult.from_fields(fields)))
-        owners = self._ledger.owner_of([res.id for _, res in results])
+            read = read_entry(fields)
+            if isinstance(read, GeneratedResult):
+                results.append((entry_id, read))
+            else:
+                unreadable.append((entry_id, read))
+        results += self._named_prompts(unreadable)
+        owners = self._ledger.owner_of([_prompt_of(taken) for _, taken in results])
         pending = set(self._ledger.pending()) if any(owners) else set()
         # Ids this call commits when a shard fills mid-batch: their later copies in the
         # batch are duplicates, though `owners` was read before the commit.
         self._committed_now = set()
-        for (entry_id, result), owner in zip(results, owners, strict=True):
-            if result.id in self._committed_now:
+        for (entry_id, taken), owner in zip(results, owners, strict=True):
+            pid = _prompt_of(taken)
+            if pid in self._committed_now:
                 self.counters.duplicates += 1
                 self._ack([entry_id])
             elif owner is not None:
@@ -140,19 +164,43 @@ class JobWriter:
                     continue  # decided when that shard commits or is released
                 self.counters.duplicates += 1
                 self._ack([entry_id])
-            elif result.id in self._entries:
-                self._entries[result.id].append(entry_id)  # a duplicate in this shard
+            elif pid in self._entries:
+                self._entries[pid].append(entry_id)  # a duplicate in this shard
                 self.counters.duplicates += 1
+            elif isinstance(taken, Unreadable):
+                self._dead_letter_unreadable(entry_id, taken, pid)
             else:
-                self._write(entry_id, result)
+                self._write(entry_id, taken)
                 if self._full():  # roll over mid-batch: shards stay at their size
                     self.commit()
+
+    def _named_prompts(self, unreadable: list[tuple[str, Unreadable]]) -> list[tuple[str, Taken]]:
+        """Unreadable entries that name a prompt of the job, to be placed like its result
+        (a copy of a committed one is a duplicate); the others are dead-lettered now,
+        under an id of their own, counted apart from prompts (docs/design.md, Tokenize)."""
+        named = [(e, u) for e, u in unreadable if u.prompt_id is not None]
+        known = self._job_ids.get([u.prompt_id for _, u in named if u.prompt_id is not None])
+        kept: list[tuple[str, Taken]] = []
+        for (entry_id, read), found in zip(named, known, strict=True):
+            if found is None:
+                self._dead_letter_unreadable(entry_id, read, None)
+            else:
+                kept.append((entry_id, read))
+        for entry_id, read in unreadable:
+            if read.prompt_id is None:
+                self._dead_letter_unreadable(entry_id, read, None)
+        return kept
 
     def _write(self, entry_id: str, result: GeneratedResult) -> None:
         try:
             record = build_record(result, self._context)
         except CheckFailed as exc:
             self._dead_letter(entry_id, result, exc)
+            return
+        except _BUILD_ERRORS as exc:  # a result no check foresaw: never stop the stage
+            log.exception("%s: the record of %s could not be built", self.job, result.id)
+            failed = CheckFailed(Reason.MALFORMED_RESULT, f"{type(exc).__name__}: {exc}")
+            self._dead_letter(entry_id, result, failed)
             return
         if self._shard is None:
             name = shard_name(self._ledger.next_shard_seq())
@@ -167,9 +215,8 @@ class JobWriter:
 
     def _dead_letter(self, entry_id: str, result: GeneratedResult, exc: CheckFailed) -> None:
         keep_payload = exc.reason != Reason.TRUNCATED_DROPPED
-        pipe = self._r.pipeline()
-        dlq.put(
-            pipe,
+        self._put_dead_letter(
+            entry_id,
             dlq.DeadLetter(
                 entry_id=result.id,
                 job=self.job,
@@ -183,12 +230,36 @@ class JobWriter:
                 payload={"result": result.__dict__} if keep_payload else {},
             ),
         )
+
+    def _dead_letter_unreadable(self, entry_id: str, read: Unreadable, pid: str | None) -> None:
+        """An entry with no result in it: its bytes go to the DLQ under the prompt it
+        names (a prompt of the job), else under an id of its own."""
+        log.error("%s: unreadable results entry %s: %s: %s", self.job, entry_id,
+                  read.reason, read.message)  # fmt: skip
+        self._put_dead_letter(
+            entry_id,
+            dlq.DeadLetter(
+                entry_id=pid or read.entry_id(),
+                job=self.job,
+                stage="tokenize",
+                reason=read.reason,
+                message=read.message,
+                prompt_id=pid,
+                worker=self.owner,
+                payload={**read.payload(), "stream_entry": entry_id},
+            ),
+        )
+
+    def _put_dead_letter(self, entry_id: str, letter: dlq.DeadLetter) -> None:
+        """The dead letter, the ack and the delete of its entry in one MULTI."""
+        pipe = self._r.pipeline()
+        dlq.put(pipe, letter)
         pipe.xack(self.stream, keys.TOKENIZE_GROUP, entry_id)
         pipe.xdel(self.stream, entry_id)
         pipe.execute()
         self.counters.dead_lettered += 1
         by_reason = self.counters.by_reason
-        by_reason[exc.reason] = by_reason.get(exc.reason, 0) + 1
+        by_reason[letter.reason] = by_reason.get(letter.reason, 0) + 1
 
     def _ack(self, entry_ids: list[str]) -> None:
         if entry_ids:

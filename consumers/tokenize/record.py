@@ -109,6 +109,14 @@ class Reason(ReasonCode):
     # tokens the server's decode skipped): the split cannot be trusted.
     UNCLOSED_THINKING = "unclosed_thinking"
     RENDER_FAILED = "render_failed"  # the template cannot re-render its own output
+    # Stream entries that give no result (entries.py): the entry's bytes are kept.
+    ENTRY_WITHOUT_RESULT = "entry_without_result"
+    RESULT_NOT_JSON = "result_not_json"
+    RESULT_NOT_AN_OBJECT = "result_not_an_object"
+    RESULT_MISSING_FIELDS = "result_missing_fields"
+    RESULT_WRONG_TYPE = "result_wrong_type"
+    # A result that passed the type checks yet made building its record raise.
+    MALFORMED_RESULT = "malformed_result"
 
 
 class CheckFailed(Refused):

@@ -19,13 +19,15 @@ raises TruncatedFrame rather than reading short.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
+import logging
 import os
 import re
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -35,7 +37,12 @@ import zstandard
 from regen.common import crashpoints
 from regen.common.zstd_reader import open_zstd
 
+log = logging.getLogger("regen.tokenize")
+
 MANIFEST = "manifest.jsonl"
+# A manifest line is ~250 bytes: a longer one is damage, and is skipped unread.
+MAX_MANIFEST_LINE = 64 << 10
+_SKIP_BLOCK = 1 << 16
 _SHARD_PREFIX = "shard-"
 _SHARD_SUFFIX = ".jsonl.zst"
 SHARD_GLOB = f"{_SHARD_PREFIX}*{_SHARD_SUFFIX}"
@@ -49,6 +56,8 @@ READ_ERRORS = (zstandard.ZstdError, orjson.JSONDecodeError, UnicodeDecodeError)
 # line's first bytes without parsing the rest (token ids, messages) of it.
 _ID = re.compile(rb'"id":"([^"]*)"')
 _ID_WITHIN = 256
+# The same, with the job that follows the id ({"schema":"...","id":"...","job":"...").
+_ID_AND_JOB = re.compile(rb'\{"schema":"[^"]*","id":"([^"]*)","job":"([^"]*)"')
 
 
 def shard_name(seq: int) -> str:
@@ -140,6 +149,9 @@ class ShardInfo:
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
+
+
+_INFO_FIELDS = frozenset(f.name for f in fields(ShardInfo))
 
 
 class OpenShard:
@@ -280,41 +292,108 @@ def _link_new(tmp: Path, final: Path) -> None:
 
 
 def append_manifest(folder: Path, info: ShardInfo) -> None:
+    """Append a shard's line and fsync; a torn last line (a crash mid-append) is cut
+    off first, so the manifest heals at its next append (docs/design.md, Tokenize)."""
     with open(folder / MANIFEST, "a+b") as fh:
-        # A crash mid-append leaves a torn last line: start on a fresh line so this one
-        # stays readable (read_manifest skips the torn one).
-        torn = False
-        if fh.seek(0, os.SEEK_END) > 0:
-            fh.seek(-1, os.SEEK_END)
-            torn = fh.read(1) != b"\n"
-        fh.write((b"\n" if torn else b"") + info.to_json() + b"\n")
+        # Appenders of one folder one at a time: a repair must never cut the line
+        # another consumer is writing (the lock goes with the file's close).
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        fresh = _repair_tail(folder, fh)
+        fh.write((b"" if fresh else b"\n") + info.to_json() + b"\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _repair_tail(folder: Path, fh: IO[bytes]) -> bool:
+    """Cut a torn last line off; whether the file now ends on a fresh line. A last line
+    that is complete but lacks its newline, or is damage this writer did not leave (over
+    the line cap), is kept: the next line then starts on a fresh line after it."""
+    size = fh.seek(0, os.SEEK_END)
+    start = max(0, size - MAX_MANIFEST_LINE - 1)
+    fh.seek(start)
+    tail = fh.read(size - start)
+    if not tail or tail.endswith(b"\n"):
+        return True
+    cut = tail.rfind(b"\n")
+    if cut < 0 and start > 0:
+        return False
+    if not _is_torn(tail[cut + 1 :]):
+        return False
+    fh.truncate(start + cut + 1)
+    log.warning("%s: cut off a torn last line (a crash mid-append)", folder / MANIFEST)
+    return True
+
+
+_ROW_START = b'{"shard":"'
+
+
+def _is_torn(line: bytes) -> bool:
+    """A line a crash mid-append left: not a manifest line, but a start of one (written
+    up to the crash), or zero bytes (a filesystem that grew the file before its data)."""
+    body = line.rstrip(b"\n").rstrip(b"\0")
+    if _parse_line(line) is not None:
+        return False
+    return not body or body.startswith(_ROW_START) or _ROW_START.startswith(body)
+
+
+def _parse_line(line: bytes) -> ShardInfo | None:
+    """The shard info a manifest line holds (fields a newer regen added ignored)."""
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    try:
+        return ShardInfo(**{k: v for k, v in row.items() if k in _INFO_FIELDS})
+    except TypeError:  # a field missing
+        return None
 
 
 @dataclass(frozen=True)
 class Manifest:
     shards: dict[str, ShardInfo]  # by shard name; a later line for a shard wins
-    torn: list[int]  # numbers of the lines that do not parse (a crash mid-append)
+    # Lines that are no manifest line: (line number, why). Damage: verify reports it.
+    bad: list[tuple[int, str]] = field(default_factory=list)
+    # Numbers of the lines a crash mid-append tore (_is_torn): ignored, with a warning;
+    # a torn last line is cut off at the next append.
+    torn: list[int] = field(default_factory=list)
 
 
 def read_manifest(folder: Path) -> Manifest:
-    """The manifest of a job folder (empty when it has none)."""
-    manifest = Manifest({}, [])
+    """The manifest of a job folder (empty when it has none). A line over
+    MAX_MANIFEST_LINE bytes is skipped in bounded reads, never held whole."""
+    manifest = Manifest({})
     path = folder / MANIFEST
     if not path.exists():
         return manifest
     with open(path, "rb") as fh:
-        for number, line in enumerate(fh, start=1):
+        for number, line in enumerate(_capped_lines(fh), start=1):
+            if line is None:
+                manifest.bad.append((number, f"line {number} is over {MAX_MANIFEST_LINE:,} "
+                                             "bytes: no manifest line; skipped"))  # fmt: skip
+                continue
             if not line.strip():
                 continue
-            try:
-                info = ShardInfo(**orjson.loads(line))
-            except (orjson.JSONDecodeError, TypeError):
+            info = _parse_line(line)
+            if info is not None:
+                manifest.shards[info.shard] = info
+            elif _is_torn(line):
                 manifest.torn.append(number)
-                continue
-            manifest.shards[info.shard] = info
+            else:
+                manifest.bad.append((number, f"line {number} is no manifest line"))
     return manifest
+
+
+def _capped_lines(fh: IO[bytes]) -> Iterator[bytes | None]:
+    """The file's lines, None for one over MAX_MANIFEST_LINE (read past in blocks)."""
+    while line := fh.readline(MAX_MANIFEST_LINE + 1):
+        if len(line) <= MAX_MANIFEST_LINE or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = fh.readline(_SKIP_BLOCK)
+        yield None
 
 
 def iter_records(path: Path) -> Iterator[dict[str, Any]]:
@@ -335,6 +414,28 @@ def iter_ids(path: Path) -> Iterator[str]:
                 continue
             found = _ID.search(line, 0, _ID_WITHIN)
             yield found.group(1).decode() if found else str(orjson.loads(line)["id"])
+
+
+def iter_job_ids(path: Path) -> Iterator[tuple[str, str] | None]:
+    """(job, id) of every record in a shard, row for row as iter_records yields them,
+    without parsing whole records; None for a line that names neither (verify reports
+    it). Raises one of READ_ERRORS where the shard is damaged or cut short."""
+    with open_zstd(path) as lines:
+        for line in lines:
+            if line == b"\n":
+                continue
+            found = _ID_AND_JOB.match(line, 0, _ID_WITHIN)
+            if found and b"\\" not in found.group(0):
+                yield found.group(2).decode(), found.group(1).decode()
+                continue
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                yield None
+                continue
+            rid = record.get("id") if isinstance(record, dict) else None
+            job = record.get("job") if isinstance(record, dict) else None
+            yield (job, rid) if isinstance(rid, str) and isinstance(job, str) else None
 
 
 def describe(path: Path, epoch: int) -> ShardInfo:

@@ -114,9 +114,10 @@ def run_script(r: redis.Redis, lua: str, key: str, *args: str | int | bytes) -> 
 
 
 def is_prompt_entry(entry_id: str) -> bool:
-    """DLQ entries of a prompt are keyed by its id; a bad row (`row:...`) or a malformed
-    task (`task:...`) has no prompt id."""
-    return not entry_id.startswith(("row:", "task:"))
+    """DLQ entries of a prompt are keyed by its id; a bad row (`row:...`), a malformed
+    task (`task:...`) or an unreadable result naming no prompt (`result:...`) has no
+    prompt id."""
+    return not entry_id.startswith(("row:", "task:", "result:"))
 
 
 def dead_letter_reasons(r: redis.Redis, job: str, stage: str) -> dict[str, str]:

@@ -4,11 +4,14 @@ Formats (rows and files in export_sinks): `conversations` (text JSONL), `specfor
 (ids and mask JSONL), `speculators` (ids, mask and metadata JSONL) and `hf` (a `datasets`
 folder). What is exported, in this order: the records of the jobs chosen (all by
 default); less those with a quality flag in `drop_flags` (common/quality.py; by default
-every flag but `truncated`); less those longer than `max_length` (dropped, or cut to it
-with `truncate`); less those with fewer than `min_loss_tokens` trained tokens; split into
-a held-out set by id; shuffled by a seed. Records are read once and streamed, and the
-shuffle spills to disk (export_order), so memory stays flat however many records there
-are."""
+every flag but `truncated`); each once (a record found again in a later shard, by its
+job and id, is skipped and counted: shard_copies); less those longer than `max_length`
+(dropped, or cut to it with `truncate`); less those with no trained token (a prompt cut
+to max_length) or fewer than `min_loss_tokens`; split into a held-out set by prompt;
+shuffled by a seed. Records are read once and streamed, and the shuffle spills to disk
+(export_order), as does the search for copies, so memory stays flat however many
+records there are.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import orjson
 from regen.common import provenance
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.common.samples import prompt_unit
-from regen.consumers.tokenize.shard_files import read_manifest
+from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.ops.dataset_card import ExportedStats, write_card
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
 from regen.ops.export_sinks import (
@@ -37,7 +40,8 @@ from regen.ops.export_sinks import (
     Sink,
     require_datasets,
 )
-from regen.ops.shards_inspect import job_folders, job_records
+from regen.ops.shard_copies import Copies, find_copies
+from regen.ops.shards_inspect import job_folders
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
 
@@ -50,7 +54,10 @@ class Dropped:
     """Why a record is not exported: the summary's reasons."""
 
     FLAGGED = "flagged"  # by flag in ExportSummary.flagged
+    DUPLICATE_ID = "duplicate_id"  # a copy of a record exported from an earlier shard
     TOO_LONG = "too_long"
+    # Nothing to train on: a prompt longer than max_length cut to it (with truncate).
+    NO_LOSS_TOKENS = "no_loss_tokens"
     FEW_LOSS_TOKENS = "few_loss_tokens"
 
 
@@ -100,6 +107,9 @@ class ExportSummary:
     stats: tuple[ExportedStats, ExportedStats] = field(
         default_factory=lambda: (ExportedStats(), ExportedStats())
     )
+    # Shards holding copies: (the shard exported from, the shard with the copies, how
+    # many, an id), each as JOB_FOLDER/SHARD.
+    duplicates: list[tuple[str, str, int, str]] = field(default_factory=list)
 
     def line(self) -> str:
         parts = [f"wrote {self.written:,} records to {self.out}"]
@@ -143,20 +153,28 @@ def export(
         paths.append(summary.heldout_out)
     _check_outputs(options.format, paths)
     shape, open_sink = FORMATS[options.format]
+    shards = [path for job in jobs for path in shard_paths(job)]
     sinks: list[Sink] = []
     try:
         for path in paths:
             sinks.append(open_sink(path))
         with ExitStack() as stack:
-            selected = _selected(jobs, options, summary, shape)
+            scratch = Path(
+                stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix=f".{out.name}.export-", dir=out.parent)
+                )
+            )
+            copies = find_copies(shards, scratch)
+            summary.duplicates = [
+                (_label(shards[p.first]), _label(shards[p.copy]), p.count, p.example)
+                for p in copies.pairs
+            ]
+            selected = _selected(shards, copies, options, summary, shape)
             rows: Iterator[tuple[bool, Row]]
             if options.seed is None:
                 rows = ((is_held_out, row) for _, is_held_out, row in selected)
             else:
-                scratch = stack.enter_context(
-                    tempfile.TemporaryDirectory(prefix=f".{out.name}.shuffle-", dir=out.parent)
-                )
-                rows = _shuffled(selected, options.seed, _data_bytes(jobs), Path(scratch))
+                rows = _shuffled(selected, options.seed, _data_bytes(jobs), scratch)
             for is_held_out, row in rows:
                 sinks[is_held_out].write(row)
                 if options.format == "hf":
@@ -232,13 +250,25 @@ def _check_outputs(fmt: str, paths: list[Path]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
 
 
+def _label(shard: Path) -> str:
+    return f"{shard.parent.name}/{shard.name}"
+
+
 def _selected(
-    jobs: list[Path], options: ExportOptions, summary: ExportSummary, shape: Shape
+    shards: list[Path],
+    copies: Copies,
+    options: ExportOptions,
+    summary: ExportSummary,
+    shape: Shape,
 ) -> Iterator[tuple[str, bool, Row]]:
-    """(the shuffle's key, held out?, row) for each record exported, in shard order; drops
-    and cuts counted in `summary`."""
-    for job in jobs:
-        for record in job_records(job):
+    """(the shuffle's key, held out?, row) for each record exported, in shard order;
+    copies, drops and cuts counted in `summary`."""
+    for number, shard in enumerate(shards):
+        skip = copies.rows_in(number)
+        for row, record in enumerate(iter_records(shard)):
+            if row in skip:
+                summary.dropped[Dropped.DUPLICATE_ID] += 1
+                continue
             fitted = _fit(record, options, summary)
             if fitted is None:
                 continue
@@ -264,7 +294,11 @@ def _fit(record: Row, options: ExportOptions, summary: ExportSummary) -> Row | N
             summary.dropped[Dropped.TOO_LONG] += 1
             return None
         record, cut = _cut(record, length), True
-    if sum(record["loss_mask"]) < options.min_loss_tokens:
+    trained = sum(record["loss_mask"])
+    if not trained:  # a row of prompt alone teaches nothing and can upset a trainer's loss
+        summary.dropped[Dropped.NO_LOSS_TOKENS] += 1
+        return None
+    if trained < options.min_loss_tokens:
         summary.dropped[Dropped.FEW_LOSS_TOKENS] += 1
         return None
     summary.cut += cut

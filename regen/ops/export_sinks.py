@@ -26,17 +26,26 @@ BATCH_TOKENS = 1 << 16
 BATCH_ROWS = 1000
 
 
+# The message keys a conversation row keeps: what a chat template reads back (SpecForge's
+# raw path takes role, content, reasoning_content and tool_calls; a tool result's
+# tool_call_id and name are what templates pair it with its call by).
+_CONVERSATION_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
+
+
 def conversation_row(record: Row) -> Row:
     """SpecForge's conversation JSONL (`regenerate_train_data.py --reasoning save`): the
-    regenerated turn last, its `reasoning_content` beside `content` when the model thought.
-    Text only: a trainer that reads it tokenizes again."""
-    turns = []
-    for message in record["messages"]:
-        turn = {"role": message["role"], "content": message["content"]}
-        if "reasoning_content" in message:
-            turn["reasoning_content"] = message["reasoning_content"]
-        turns.append(turn)
-    return {"id": record["id"], "conversations": turns}
+    regenerated turn last, its `reasoning_content` beside `content` when the model thought,
+    its `tool_calls` when it called tools, and the `tools` the prompt offered. Text only:
+    a trainer that reads it tokenizes again, and renders the tools and calls as the
+    prompt was rendered."""
+    turns = [
+        {key: message[key] for key in _CONVERSATION_KEYS if key in message}
+        for message in record["messages"]
+    ]
+    row: Row = {"id": record["id"], "conversations": turns}
+    if record.get("tools"):
+        row["tools"] = record["tools"]
+    return row
 
 
 def specforge_row(record: Row) -> Row:

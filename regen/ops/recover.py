@@ -10,7 +10,8 @@ dead letters dropped. Then stale claims are released, the shard counter is moved
 every name on disk, the epoch is raised, and the job's enqueue cursors are dropped so
 that the job's own `regen enqueue` re-reads its files from the first row, skipping ids
 that are enqueued, committed or dead-lettered: it queues exactly the prompts Redis lost
-with no record.
+with no record. With `--turns all`, the conversations of the chunks Redis still holds
+resume after the turns the shards hold, on those turns' answers (recover_turns).
 
 It only adds what the disk proves, so it is safe to run on a healthy job, and again.
 Memory holds one shard's ids at a time.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import redis
 
+from regen.common import jobspec
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import manifest_epoch
 from regen.consumers.tokenize.shard_files import (
@@ -36,6 +38,7 @@ from regen.consumers.tokenize.shard_files import (
     shard_paths,
 )
 from regen.ops.reconcile_shards import batches
+from regen.ops.recover_turns import resume_after_shards
 from regen.producer.enqueue import reread_from_start
 
 
@@ -58,6 +61,10 @@ class Recovery:
     seq: tuple[int, int] = (0, 0)  # the shard counter before, after
     epoch: tuple[int, int] = (0, 0)
     cursors_dropped: int = 0
+    # `--turns all`: committed turns marked generated in the chunks still waiting or in
+    # flight, with their answers checkpointed (recover_turns), and their conversations.
+    turns_resumed: int = 0
+    conversations_resumed: int = 0
     # Problems on disk that recovery cannot mend: (id, shard kept, other shard).
     duplicates: list[tuple[str, str, str]] = field(default_factory=list)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, error)
@@ -99,6 +106,8 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
     numbers = [shard_number(name) or 0 for name in on_disk | set(report.claims_left)]
     report.seq = ledger.raise_shard_seq(max(numbers, default=0))
     report.epoch = ledger.raise_epoch(disk_epoch)
+    resumed = resume_after_shards(r, ledger, jobspec.load(r, job), folder, on_disk)
+    report.turns_resumed, report.conversations_resumed = resumed.turns, resumed.conversations
     report.cursors_dropped = reread_from_start(r, job)
     return report
 

@@ -2,15 +2,16 @@
 
 Each function takes a job folder (`DIR/JOB`, holding shards and `manifest.jsonl`) or a
 folder of job folders (`DIR`), and reads them through the shard module (shard_files).
-Records are streamed, so memory stays flat however large the job; verify keeps one set
-of ids per job, nothing more.
+Records are streamed, so memory stays flat however large the job; verify spills the
+records' ids to find copies (shard_copies), rather than hold them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from regen.consumers.tokenize.shard_files import (
     shard_paths,
     temp_files,
 )
+from regen.ops.shard_copies import CopyFinder, record_key
 
 # Past this many record-level problems in one shard, the rest are only counted.
 MAX_RECORD_PROBLEMS = 10
@@ -124,29 +126,55 @@ class Problem:
     path: str  # the file inside the job folder
     kind: str
     message: str
+    # Worth knowing, but nothing is wrong with the data (verify exits 0 on warnings alone).
+    warning: bool = False
 
     def __str__(self) -> str:
-        return f"{self.job}/{self.path}: {self.kind}: {self.message}"
+        text = f"{self.job}/{self.path}: {self.kind}: {self.message}"
+        return f"warning: {text}" if self.warning else text
 
 
 def verify(folder: Path) -> list[Problem]:
-    """Everything wrong with the shards at `folder`; an empty list means all is well."""
+    """Everything wrong with the shards at `folder`; an empty list means all is well.
+
+    A record found again (its job and id) in a later shard, or later in the same one,
+    is a `duplicate_id`, reported on the shard of the copy with the shard it repeats:
+    across job folders too, so a folder copied beside its job is caught. Found with
+    keys spilled to the system's temporary folder (shard_copies), so memory stays flat.
+    """
     jobs = job_folders(folder)
     if not jobs:
         return [Problem(folder.name, ".", "no_jobs", f"no job folders (no {MANIFEST}) in {folder}")]
-    return [problem for job in jobs for problem in _verify_job(job)]
+    shards = [path for job in jobs for path in shard_paths(job)]
+    with tempfile.TemporaryDirectory(prefix="regen-verify-") as scratch:
+        finder = CopyFinder(Path(scratch), len(shards), sum(p.stat().st_size for p in shards))
+        numbers = {path: number for number, path in enumerate(shards)}
+        problems = [problem for job in jobs for problem in _verify_job(job, finder, numbers)]
+        copies = finder.finish()
+    for pair in copies.pairs:
+        first, copy = shards[pair.first], shards[pair.copy]
+        ids = "1 id" if pair.count == 1 else f"{pair.count:,} ids"
+        problems.append(Problem(copy.parent.name, copy.name, "duplicate_id",
+                                f"{ids} also in {first.parent.name}/{first.name} "
+                                f"(e.g. {pair.example})"))  # fmt: skip
+    return problems
 
 
-def _verify_job(job: Path) -> list[Problem]:
+def _verify_job(job: Path, finder: CopyFinder, numbers: dict[Path, int]) -> list[Problem]:
     problems: list[Problem] = []
 
-    def report(path: str, kind: str, message: str) -> None:
-        problems.append(Problem(job.name, path, kind, message))
+    def report(path: str, kind: str, message: str, warning: bool = False) -> None:
+        problems.append(Problem(job.name, path, kind, message, warning))
 
     manifest_file = read_manifest(job)
     manifest = manifest_file.shards
+    for _, why in manifest_file.bad:
+        report(MANIFEST, "manifest_line", why)
     for line in manifest_file.torn:
-        report(MANIFEST, "manifest_line", f"unreadable line {line}")
+        # A crash mid-append: the shard it was for is listed by a later line (recovery
+        # rebuilds it) or reported unlisted below; the next append cuts a last one off.
+        why = f"line {line}: torn by a crash mid-append; ignored"
+        report(MANIFEST, "torn_manifest_line", why, warning=True)
     on_disk = {p.name for p in shard_paths(job)}
     for name in sorted(manifest.keys() - on_disk):
         report(name, "missing_shard", "listed in the manifest, not on disk")
@@ -159,13 +187,16 @@ def _verify_job(job: Path) -> list[Problem]:
             "temporary file: a shard still being written, or left by a crash",
         )
 
-    seen: set[str] = set()
     for name in sorted(on_disk):
         path = job / name
         info = manifest.get(name)
         if info is not None:
             for kind, message in _check_file(path, info):
                 report(name, kind, message)
+
+        def seen(row: int, job_name: str, rid: str, number: int = numbers[path]) -> None:
+            finder.add(number, row, record_key(job_name, rid))
+
         for kind, message in _check_records(path, info, seen):
             report(name, kind, message)
     return problems
@@ -183,7 +214,11 @@ def _check_file(path: Path, info: ShardInfo) -> Iterator[tuple[str, str]]:
         yield "checksum", f"sha256 {digest.hexdigest()[:16]}…, manifest says {info.sha256[:16]}…"
 
 
-def _check_records(path: Path, info: ShardInfo | None, seen: set[str]) -> Iterator[tuple[str, str]]:
+def _check_records(
+    path: Path, info: ShardInfo | None, seen: Callable[[int, str, str], None]
+) -> Iterator[tuple[str, str]]:
+    """Problems of the records of one shard; `seen(row, job, id)` is told each record's
+    job and id, for the search for copies."""
     rows = prompt_tokens = completion_tokens = found = 0
     try:
         for row, record in enumerate(iter_records(path)):
@@ -191,7 +226,10 @@ def _check_records(path: Path, info: ShardInfo | None, seen: set[str]) -> Iterat
             if isinstance(record, dict):
                 prompt_tokens += _int(record.get("prompt_tokens"))
                 completion_tokens += _int(record.get("completion_tokens"))
-            for kind, message in _check_record(record, seen):
+                rid, job = record.get("id"), record.get("job")
+                if isinstance(rid, str) and isinstance(job, str):
+                    seen(row, job, rid)
+            for kind, message in _check_record(record):
                 found += 1
                 if found <= MAX_RECORD_PROBLEMS:
                     yield kind, f"row {row}: {message}"
@@ -212,7 +250,7 @@ def _check_records(path: Path, info: ShardInfo | None, seen: set[str]) -> Iterat
         )
 
 
-def _check_record(record: Any, seen: set[str]) -> Iterator[tuple[str, str]]:
+def _check_record(record: Any) -> Iterator[tuple[str, str]]:
     if not isinstance(record, dict):
         yield "schema", f"not a JSON object: {type(record).__name__}"
         return
@@ -235,9 +273,6 @@ def _check_record(record: Any, seen: set[str]) -> Iterator[tuple[str, str]]:
         yield "schema", f"schema {record['schema']!r}, expected {RECORD_SCHEMA!r} or older"
     if record["finish_reason"] not in FINISH_REASONS:
         yield "schema", f"finish_reason {record['finish_reason']!r}"
-    if record["id"] in seen:
-        yield "duplicate_id", f"id {record['id']} appears more than once in the job"
-    seen.add(record["id"])
     ids, mask = record["input_ids"], record["loss_mask"]
     n_prompt, n_output = record["prompt_tokens"], record["completion_tokens"]
     if len(ids) != len(mask):
