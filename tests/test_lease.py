@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from regen.common import keys
-from regen.consumers.generate.lease import ChunkLease, LeaseBook, LeaseLost
+from regen.consumers.generate.lease import ChunkLease, HandOff, LeaseBook, LeaseLost
 
 TAG = "delivery-tag-1"
 
@@ -133,9 +133,12 @@ def test_a_batch_hand_off_writes_each_result_with_its_mark_once(r: redis.Redis) 
     deliver(r)
     lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
     stream = keys.results_stream("j")
-    assert lease.hand_off(r, stream, [("p1", b"one"), ("p2", b"two")]) == [True, True]
+    assert lease.hand_off(r, stream, [HandOff("p1", b"one"), HandOff("p2", b"two")]) == [True, True]
     # A retry after a lost reply, with one more result: only the new one is written.
-    assert lease.hand_off(r, stream, [("p2", b"two"), ("p3", b"three")]) == [False, True]
+    assert lease.hand_off(r, stream, [HandOff("p2", b"two"), HandOff("p3", b"three")]) == [
+        False,
+        True,
+    ]
     assert [fields[b"r"] for _, fields in r.xrange(stream)] == [b"one", b"two", b"three"]
     assert r.smembers(lease.generated_key) == {b"p1", b"p2", b"p3"}
     assert r.ttl(lease.generated_key) > 0
@@ -150,6 +153,48 @@ def test_a_lost_lease_hands_off_nothing(r: redis.Redis, how: str) -> None:
     else:
         r.zrem(keys.KOMBU_UNACKED_INDEX, TAG)  # kombu's sweep restored it
     with pytest.raises(LeaseLost):
-        lease.hand_off(r, keys.results_stream("j"), [("p1", b"one")])
+        lease.hand_off(r, keys.results_stream("j"), [HandOff("p1", b"one")])
     assert lease.lost.is_set()
     assert r.xlen(keys.results_stream("j")) == 0 and not r.exists(lease.generated_key)
+
+
+def snapshot(r: redis.Redis) -> dict[bytes, bytes]:
+    """A copy of the whole database, as a backup taken now holds it."""
+    return {key: r.dump(key) for key in r.keys("*")}  # type: ignore[misc]
+
+
+def roll_back(r: redis.Redis, copy: dict[bytes, bytes]) -> None:
+    """Redis restored from `copy`: everything written since is gone."""
+    r.flushall()
+    for key, value in copy.items():
+        r.restore(key, 0, value)
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_rollback_that_lost_a_write_of_the_delivery_refuses_its_ack(
+    r: redis.Redis, lost: bool
+) -> None:
+    """Redis goes back to a copy taken mid-delivery. If the copy lacks a hand-off of
+    this delivery, the ack is refused and the delivery stays in kombu's keys for the
+    sweep to bring back; if it lacks nothing of it, the delivery goes on."""
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    stream = keys.results_stream("j")
+    lease.hand_off(r, stream, [HandOff("p1", b"one")])
+    copy = snapshot(r)
+    if lost:
+        lease.hand_off(r, stream, [HandOff("p2", b"two")])
+    roll_back(r, copy)
+    if not lost:
+        lease.finish(r, "w1")
+        assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None
+        return
+    with pytest.raises(LeaseLost, match="Redis lost writes"):
+        lease.finish(r, "w1")
+    assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is not None and r.hexists(
+        keys.KOMBU_UNACKED, TAG
+    )
+    assert r.smembers(lease.generated_key) == {b"p1"}, "the next delivery redoes p2"
+    with pytest.raises(LeaseLost):
+        lease.hand_off(r, stream, [HandOff("p3", b"three")])
+    assert r.xlen(stream) == 1
