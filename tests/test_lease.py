@@ -9,6 +9,7 @@ import redis
 
 from regen.common import keys
 from regen.consumers.generate.lease import ChunkLease, HandOff, LeaseBook, LeaseLost
+from tests.test_redis_restore import dump_all, restore_all
 
 TAG = "delivery-tag-1"
 
@@ -158,18 +159,6 @@ def test_a_lost_lease_hands_off_nothing(r: redis.Redis, how: str) -> None:
     assert r.xlen(keys.results_stream("j")) == 0 and not r.exists(lease.generated_key)
 
 
-def snapshot(r: redis.Redis) -> dict[bytes, bytes]:
-    """A copy of the whole database, as a backup taken now holds it."""
-    return {key: r.dump(key) for key in r.keys("*")}  # type: ignore[misc]
-
-
-def roll_back(r: redis.Redis, copy: dict[bytes, bytes]) -> None:
-    """Redis restored from `copy`: everything written since is gone."""
-    r.flushall()
-    for key, value in copy.items():
-        r.restore(key, 0, value)
-
-
 @pytest.mark.parametrize("lost", [True, False])
 def test_a_rollback_that_lost_a_write_of_the_delivery_refuses_its_ack(
     r: redis.Redis, lost: bool
@@ -181,10 +170,10 @@ def test_a_rollback_that_lost_a_write_of_the_delivery_refuses_its_ack(
     lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
     stream = keys.results_stream("j")
     lease.hand_off(r, stream, [HandOff("p1", b"one")])
-    copy = snapshot(r)
+    copy = dump_all(r)
     if lost:
         lease.hand_off(r, stream, [HandOff("p2", b"two")])
-    roll_back(r, copy)
+    restore_all(r, copy)
     if not lost:
         lease.finish(r, "w1")
         assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None

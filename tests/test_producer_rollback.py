@@ -12,7 +12,7 @@ import redis
 from regen.producer.publish import ChunkPublisher, PublishOutcome
 from tests.helpers import job_ids, user_rows, write_jsonl
 from tests.test_enqueue import enqueue, queued_prompts
-from tests.test_lease import roll_back, snapshot
+from tests.test_redis_restore import dump_all, restore_all
 
 
 def test_a_producer_publishes_again_the_chunks_a_rollback_lost(
@@ -30,9 +30,9 @@ def test_a_producer_publishes_again_the_chunks_a_rollback_lost(
         outcome = publish(self, *args, **kwargs)
         published += 1
         if published == 2:
-            copy.update(snapshot(r))
+            copy.update(dump_all(r))
         elif published == 4:
-            roll_back(r, copy)
+            restore_all(r, copy)
         return outcome
 
     monkeypatch.setattr(ChunkPublisher, "publish", publish_then_roll_back)

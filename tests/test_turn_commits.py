@@ -29,7 +29,8 @@ from regen.consumers.generate.runner import EngineRunner
 from tests.generate_harness import results
 from tests.helpers import queued_chunks, write_jsonl
 from tests.test_enqueue import enqueue
-from tests.test_lease import TAG, deliver, roll_back, snapshot
+from tests.test_lease import TAG, deliver
+from tests.test_redis_restore import dump_all, restore_all
 from tests.test_turns import ROW, USER_TURNS, conversation_row
 
 Hook = Callable[[int], None]
@@ -221,9 +222,9 @@ def test_a_delivery_whose_turn_a_redis_rollback_lost_is_not_acknowledged(
 
     def at_turn(turn: int) -> None:
         if turn == 1:
-            copy.update(snapshot(r))
+            copy.update(dump_all(r))
         elif turn == 2:
-            roll_back(r, copy)
+            restore_all(r, copy)
 
     with pytest.raises(LeaseLost):
         run_chunk(contexts(smollm2_tokenizer, at_turn), chunk, TAG)
