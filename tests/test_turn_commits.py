@@ -28,6 +28,7 @@ from regen.consumers.generate.lease import LeaseLost
 from regen.consumers.generate.runner import EngineRunner
 from tests.generate_harness import results
 from tests.helpers import queued_chunks, write_jsonl
+from tests.redis_server import RedisServer, free_port
 from tests.test_enqueue import enqueue
 from tests.test_lease import TAG, deliver
 from tests.test_redis_restore import dump_all, restore_all
@@ -233,3 +234,38 @@ def test_a_delivery_whose_turn_a_redis_rollback_lost_is_not_acknowledged(
     again = run_chunk(contexts(smollm2_tokenizer, name="next"), chunk, TAG)
     assert (again.generated, again.skipped) == (2, 1)
     assert handed_off(r) == Counter(ids), "each turn exactly once"
+
+
+def test_a_conversation_goes_on_through_a_redis_restart(
+    tmp_path: Path, smollm2_tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis is SIGKILLed as turn 1's answer comes back and restarted on its AOF a
+    second later: the hand-off waits it out, and the chunk ends with every turn once."""
+    server = RedisServer(data_dir=tmp_path / "redis", port=free_port()).start()
+    restarts: list[threading.Thread] = []
+    runner: EngineRunner | None = None
+    try:
+        r = redis.Redis.from_url(server.url)
+        chunk = turns_chunk(server.url, r, tmp_path, [ROW])
+
+        def outage_at_turn_1(turn: int) -> None:
+            if turn == 1 and not restarts:
+                server.kill()
+                restarts.append(threading.Timer(1.0, server.start))
+                restarts[0].start()
+
+        runner = EngineRunner(ScriptedEngine(smollm2_tokenizer, outage_at_turn_1))  # type: ignore[arg-type]
+        ctx = ChunkContext(redis=r, runner=runner)
+        outcome = run_chunk(ctx, chunk, TAG)
+        assert restarts, "Redis was never killed"
+        assert "Redis unreachable" in caplog.text, "the hand-off never met the outage"
+        assert (outcome.generated, outcome.dead_lettered) == (3, 0)
+        assert handed_off(r) == Counter(chunk.prompts[0].accounted_ids), "each turn once"
+        assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None, "acknowledged"
+        assert ctx.inflight == 0
+    finally:
+        for restart in restarts:
+            restart.join(30)
+        if runner is not None:
+            runner.close()
+        server.kill()
