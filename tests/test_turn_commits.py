@@ -269,3 +269,36 @@ def test_a_conversation_goes_on_through_a_redis_restart(
         if runner is not None:
             runner.close()
         server.kill()
+
+
+def test_a_renewal_that_finds_the_lease_lost_stops_the_turns_at_once(
+    redis_url: str,
+    r: redis.Redis,
+    tmp_path: Path,
+    smollm2_tokenizer: Any,
+    contexts: Callable[..., ChunkContext],
+) -> None:
+    """A turn still generating when the worker's heartbeat finds the chunk taken: the
+    delivery ends now, not when that turn would have come back."""
+    chunk = turns_chunk(redis_url, r, tmp_path, [ROW])
+    sent, never = threading.Event(), threading.Event()
+
+    def hang_in_turn_1(turn: int) -> None:
+        if turn == 1:
+            sent.set()
+            never.wait(60)
+
+    ctx = contexts(smollm2_tokenizer, hang_in_turn_1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_chunk, ctx, chunk, TAG)
+        try:
+            assert sent.wait(60), "turn 1 never sent"
+            contexts(smollm2_tokenizer).leases.start("j", chunk.chunk_id, TAG, "other")
+            ctx.leases.renew()  # the heartbeat
+            # Turn 1 would hang 60 s: the chunk ends well before.
+            with pytest.raises(LeaseLost):
+                running.result(30)
+        finally:
+            never.set()
+    assert ctx.inflight == 0
+    assert len(results(r, "j")) == 1  # turn 0 only

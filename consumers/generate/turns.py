@@ -96,6 +96,8 @@ class _Conversations:
     def run(self, first: list[Turn]) -> None:
         """Send the `first` turns, then until every conversation has ended or stopped at
         a dead-lettered turn."""
+        # A lease a heartbeat found lost stops the turns at once; the wait below wakes.
+        self.lease.on_lost(self._cancel_running)
         try:
             for turn in first:
                 self.send(turn)
@@ -116,6 +118,11 @@ class _Conversations:
             self.ctx.count_inflight(-len(self.running))
             self.running.clear()
             raise
+
+    def _cancel_running(self) -> None:
+        # From the heartbeat's thread: list() copies the keys in one step under the GIL.
+        for future in list(self.running):
+            future.cancel()
 
     def finish(self, turn: Turn, future: Future[GenerateResult]) -> None:
         """Hand the turn off and send the next one."""
