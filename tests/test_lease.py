@@ -127,6 +127,7 @@ def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis
     # The acked chunk's `generated` set goes with its ack; the returned one's waits for
     # its next delivery.
     assert not r.exists(done.generated_key) and r.exists(returned.generated_key)
+    assert not r.exists(done.writes_key) and r.exists(returned.writes_key)
     assert book.take_settled(TAG) and book.take_settled("other")
 
 

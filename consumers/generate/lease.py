@@ -71,10 +71,11 @@ return lost
 """
 
 
-# KEYS: unacked_index, unacked, the chunk's generated set; ARGV: the delivery tag.
-# kombu's ack, and the end of the chunk's `generated` set (one id per prompt) once it is
-# acked: nothing redelivers an acked chunk (kombu's restore is a transaction watching
-# `unacked`, which this HDEL changes), so the set would only wait out its TTL. If the
+# KEYS: unacked_index, unacked, the chunk's generated set, its write count; ARGV: the
+# delivery tag. kombu's ack, and the end of the chunk's `generated` set (one id per
+# prompt) and write count once it is acked: nothing redelivers an acked chunk (kombu's
+# restore is a transaction watching `unacked`, which this HDEL changes), so they would
+# only wait out their TTL. If the
 # sweep restored the delivery after the lease check (its tag is gone from the index),
 # the chunk is queued again and the set stays for its next delivery. The attempts list
 # (one entry per delivery) stays for its TTL: the chunk's history (docs/design.md,
@@ -82,7 +83,7 @@ return lost
 _ACK_LUA = """
 local acked = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-if acked == 1 then redis.call('DEL', KEYS[3]) end
+if acked == 1 then redis.call('DEL', KEYS[3], KEYS[4]) end
 return acked
 """
 
@@ -314,8 +315,9 @@ class ChunkLease:
                         pipe.unwatch()
                         return False
                     pipe.multi()
-                    fill(pipe)
+                    # Before `fill`: an ack in it deletes the count with the chunk state.
                     pipe.set(self.writes_key, self.writes + 1, ex=defaults.CHUNK_STATE_TTL_S)
+                    fill(pipe)
                     pipe.execute()
                     self.writes += 1
                     return True
@@ -343,7 +345,8 @@ class ChunkLease:
         """End the attempt and acknowledge the delivery (every prompt is settled)."""
 
         ack = r.register_script(_ACK_LUA)
-        lua_keys = [keys.KOMBU_UNACKED_INDEX, keys.KOMBU_UNACKED, self.generated_key]
+        lua_keys = [keys.KOMBU_UNACKED_INDEX, keys.KOMBU_UNACKED, self.generated_key,
+                    self.writes_key]  # fmt: skip
 
         def fill(pipe: redis.client.Pipeline) -> None:
             self._end(pipe, worker, status)
