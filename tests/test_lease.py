@@ -188,3 +188,18 @@ def test_a_rollback_that_lost_a_write_of_the_delivery_refuses_its_ack(
     with pytest.raises(LeaseLost):
         lease.hand_off(r, stream, [HandOff("p3", b"three")])
     assert r.xlen(stream) == 1
+
+
+def test_a_write_found_landed_after_its_reply_was_lost_counts_for_the_rollback_check(
+    r: redis.Redis,
+) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    copy = dump_all(r)
+    # A dead letter lands but its reply is lost: Redis counts the write, the worker not.
+    r.sadd(lease.generated_key, "p1")
+    r.set(lease.writes_key, 1)
+    assert not lease.write(r, lambda pipe: note(pipe, "p1"), prompt_id="p1")  # the retry
+    restore_all(r, copy)  # Redis goes back to before that write
+    with pytest.raises(LeaseLost, match="Redis lost writes"):
+        lease.finish(r, "w1")

@@ -331,9 +331,11 @@ class ChunkLease:
         elif self.tag is not None and pipe.zscore(keys.KOMBU_UNACKED_INDEX, self.tag) is None:
             why = _LOST_WHY[2]
         elif writes is None or int(writes) not in (self.writes, self.writes + 1):
-            # One more than this delivery counted: its last write landed, the reply lost.
             why = _LOST_WHY[3]
         else:
+            # One more than this delivery counted: its last write landed, the reply lost.
+            # Counted now, so a rollback that loses that write is seen too.
+            self.writes = int(writes)
             return
         pipe.unwatch()
         self.mark_lost(why)
