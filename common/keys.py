@@ -96,6 +96,13 @@ def chunk_attempts(job: str, chunk_id: str) -> str:
     return _job(job, f"attempts:{chunk_id}")
 
 
+def chunk_writes(job: str, chunk_id: str) -> str:
+    """String: how many writes the chunk's current delivery made under its lease, set to
+    0 when a delivery starts; a count lower than the worker's own means Redis lost some
+    (restored from an older copy: consumers/generate/lease.py)."""
+    return _job(job, f"writes:{chunk_id}")
+
+
 def chunk_generated(job: str, chunk_id: str) -> str:
     """Set: prompt ids of a chunk whose results are already handed to the tokenize stage."""
     return _job(job, f"chunk:{chunk_id}:generated")

@@ -4,7 +4,9 @@ Each file is read from its resume cursor; every row ends in exactly one place: a
 (published atomically with its ids and the cursor, see publish.py), the input DLQ (with
 file, row and reason), or counted as a duplicate of a prompt already in the job. The
 cursor only moves past rows that are resolved, so `kill -9` then the same command again
-continues where it stopped.
+continues where it stopped. A cursor found behind where this producer moved it (Redis
+restored from an older copy while it ran) sends it back to read the file again from
+the cursor Redis has: the chunks the copy lost are published again.
 
 With `--turns all` a row becomes a conversation (producer/conversations.py): its first
 turn is rendered and checked here, and every turn's id enters the job with its chunk.
@@ -17,15 +19,15 @@ only the samples not yet in the job.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import redis
 from celery import Celery
-from redis.typing import EncodableT, FieldT
 
 from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
@@ -35,10 +37,12 @@ from regen.common.samples import SEED_PARAM, sample_id, sample_seed
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.conversations import job_prompt
 from regen.producer.job_ids import JobIds
-from regen.producer.publish import ChunkPublisher
+from regen.producer.publish import ChunkPublisher, CursorBehind
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, Reason
 from regen.producer.spec import PreparedJob
+
+log = logging.getLogger("regen.producer")
 
 BACKPRESSURE_POLL_S = 0.5
 # The input DLQ keeps this much of a bad row, enough to see what was wrong with it.
@@ -112,6 +116,8 @@ class Enqueuer:
         self._high_water = high_water
         self._on_progress = on_progress
         self._token_limit = self._spec.prompt_token_limit()
+        # Per file: where this producer last moved (or found) its cursor in Redis.
+        self._cursor_at: dict[str, int] = {}
         self.stats = EnqueueStats(high_water=high_water)
 
     # --- the loop ------------------------------------------------------------------
@@ -133,6 +139,24 @@ class Enqueuer:
         fingerprint = file_fingerprint(path)
         raw_cursor = self._r.hget(keys.job_cursors(self._spec.name), fingerprint)
         start = int(raw_cursor or 0)
+        while True:
+            try:
+                return self._read_file(path, fingerprint, start, budget)
+            except CursorBehind as behind:
+                log.warning(
+                    "%s: Redis lost rows %d to %d of the job (restored from an older "
+                    "copy?); reading them again",
+                    path,
+                    behind.value,
+                    self._cursor_at[fingerprint],
+                )
+                start = behind.value
+
+    def _read_file(
+        self, path: Path, fingerprint: str, start: int, budget: int | None
+    ) -> int | None:
+        """Read the file from row `start` (its cursor in Redis); raises CursorBehind."""
+        self._cursor_at[fingerprint] = start
         self.stats.rows_resumed += start
         if budget is not None:
             budget -= start
@@ -252,11 +276,14 @@ class Enqueuer:
             self._wait_for_room()
             ids = [pid for p in prompts for pid in p.accounted_ids]
             chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts, sampling)
-            outcome = self._publisher.publish(chunk.chunk_id, chunk.to_payload(), ids, cursors)
+            outcome = self._publisher.publish(
+                chunk.chunk_id, chunk.to_payload(), ids, cursors, behind=self._cursor_at
+            )
             if outcome.published or not outcome.already_enqueued:
                 if outcome.published:
                     self.stats.enqueued += len(ids)
                     self.stats.chunks += 1
+                    self._cursor_at.update(cursors)
                 else:  # this exact chunk was published before: its prompts are in
                     self.stats.duplicates += len(ids)
                     self._save_cursors(cursors)
@@ -268,11 +295,10 @@ class Enqueuer:
         self._save_cursors(cursors)
 
     def _save_cursors(self, cursors: dict[str, int]) -> None:
-        if not cursors:  # a buffer's chunk before its last: the cursor stays
-            return
-        # A dict[str, int] is a valid mapping; the stub's Mapping key type is invariant.
-        mapping = cast("dict[FieldT, EncodableT]", cursors)
-        self._r.hset(keys.job_cursors(self._spec.name), mapping=mapping)
+        """Move cursors past rows that needed no chunk; raises CursorBehind."""
+        for name, value in cursors.items():
+            self._publisher.move_cursor(name, value, self._cursor_at.get(name, 0))
+            self._cursor_at[name] = value
 
     def _drop_known(self, buffer: list[_Pending]) -> list[_Pending]:
         """Drop prompts already in the job or earlier in this buffer (exact duplicates),

@@ -5,7 +5,11 @@ queued) nor queue a chunk twice (queued, ids not recorded, so a rerun queues it 
 Celery publishes outside any transaction, so regen lets Celery and kombu build the exact
 message they would send (headers, properties, priority list key) and captures the Redis
 command instead of running it; a Lua script then checks the ids, pushes the message,
-records the ids and advances the resume cursors, all or nothing. A requeued chunk
+records the ids and advances the resume cursors, all or nothing. The script first
+checks that each cursor is not behind where this producer last moved it: a cursor
+behind means Redis was restored from an older copy, which lost the chunks published
+since, and the producer reads the file again from the cursor Redis has (CursorBehind;
+docs/design.md, Delivery protocol). A requeued chunk
 (`regen dlq requeue`) goes out the same way, with its dead letters removed in that same
 script instead of its ids recorded (they are in the job already).
 """
@@ -25,17 +29,22 @@ from regen.producer.job_ids import ADD_IDS_LUA, JobIds
 
 # KEYS: chunks hash, cursors hash, counters hash, then the bucket of each id
 # (keys.job_ids), then one key per LPUSH.
-# ARGV: chunk id, number of ids, number of cursor pairs, ids' fields..., cursor pairs...,
-# messages...
-# Returns {} when published, {'chunk'} when the chunk was already published, or the
-# 1-based positions of the ids that another producer enqueued meanwhile (the caller
-# rebuilds the chunk without them).
+# ARGV: chunk id, number of ids, number of cursors, ids' fields..., per cursor its name,
+# its new value and the value it must not be behind (-1: not checked), messages...
+# Returns {} when published, {'chunk'} when the chunk was already published,
+# {'behind', name, value} when a cursor is behind (nothing written), or the 1-based
+# positions of the ids that another producer enqueued meanwhile (the caller rebuilds
+# the chunk without them).
 _PUBLISH_LUA = (
     ADD_IDS_LUA
     + """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'chunk'} end
 local n_ids = tonumber(ARGV[2])
 local n_cur = tonumber(ARGV[3])
+for c = 4 + n_ids, 3 + n_ids + 3 * n_cur, 3 do
+  local stored = tonumber(redis.call('HGET', KEYS[2], ARGV[c]) or '0')
+  if stored < tonumber(ARGV[c + 2]) then return {'behind', ARGV[c], stored} end
+end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'chunk'} end
 local present = {}
 for i = 1, n_ids do
   if redis.call('HEXISTS', KEYS[3 + i], ARGV[3 + i]) == 1 then table.insert(present, i) end
@@ -45,7 +54,7 @@ add_ids(KEYS[3], 4, n_ids, 4)
 local c = 4 + n_ids
 for i = 1, n_cur do
   redis.call('HSET', KEYS[2], ARGV[c], ARGV[c + 1])
-  c = c + 2
+  c = c + 3
 end
 for k = 4 + n_ids, #KEYS do
   redis.call('LPUSH', KEYS[k], ARGV[c])
@@ -56,6 +65,16 @@ redis.call('HINCRBY', KEYS[3], 'enqueued', n_ids)
 return {}
 """
 )
+
+
+# KEYS: cursors hash; ARGV: the cursor's name, its new value, the value it must not be
+# behind. Moves the cursor and returns -1, or returns the cursor when it is behind.
+_MOVE_CURSOR_LUA = """
+local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if stored < tonumber(ARGV[3]) then return stored end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return -1
+"""
 
 
 # KEYS: dlq hash, chunks hash, counters hash, then one key per LPUSH.
@@ -106,6 +125,16 @@ class _CapturedPublish:
         """Nothing held."""
 
 
+class CursorBehind(Exception):
+    """A resume cursor is behind where this producer moved it: Redis was restored from
+    an older copy. `value` is the cursor Redis has, where reading resumes."""
+
+    def __init__(self, name: str, value: int) -> None:
+        super().__init__(f"cursor {name} is back at row {value}")
+        self.name = name
+        self.value = value
+
+
 @dataclass(frozen=True)
 class PublishOutcome:
     published: bool
@@ -123,6 +152,7 @@ class ChunkPublisher:
         self._queue = spec.queue
         self._ids = JobIds(r, spec.name).index
         self._script = r.register_script(_PUBLISH_LUA)
+        self._move_cursor = r.register_script(_MOVE_CURSOR_LUA)
         self._requeue_script = r.register_script(_REQUEUE_LUA)
         self._connection = app.connection_for_write()
         self._producer = app.amqp.Producer(self._connection)
@@ -160,7 +190,10 @@ class ChunkPublisher:
         payload: dict[str, Any],
         prompt_ids: list[str],
         cursors: dict[str, int],
+        behind: dict[str, int] | None = None,
     ) -> PublishOutcome:
+        """Publish the chunk with its ids and move `cursors`; raises CursorBehind when
+        one of them is behind its value in `behind` (nothing written)."""
         pushes, after = self._render(chunk_id, payload)
         job = self._job
         buckets, fields = self._ids.keys_and_fields(prompt_ids)
@@ -168,10 +201,12 @@ class ChunkPublisher:
         lua_keys += [*buckets, *(key for key, _ in pushes)]
         cursor_args: list[Any] = []
         for name, value in cursors.items():
-            cursor_args += [name, value]
+            cursor_args += [name, value, (behind or {}).get(name, -1)]
         argv = [chunk_id, len(prompt_ids), len(cursors), *fields, *cursor_args]
         argv += [message for _, message in pushes]
         result = self._script(keys=lua_keys, args=argv)
+        if result and result[0] == b"behind":
+            raise CursorBehind(result[1].decode(), int(result[2]))
         if not result:
             for name, args in after:
                 self._r.execute_command(name, *args)
@@ -179,6 +214,15 @@ class ChunkPublisher:
         if result == [b"chunk"]:
             return PublishOutcome(False, [])
         return PublishOutcome(False, [prompt_ids[int(i) - 1] for i in result])
+
+    def move_cursor(self, name: str, value: int, behind: int) -> None:
+        """Move a cursor past rows that needed no chunk; raises CursorBehind when it is
+        behind `behind` (nothing written)."""
+        stored = int(
+            self._move_cursor(keys=[keys.job_cursors(self._job)], args=[name, value, behind])
+        )
+        if stored >= 0:
+            raise CursorBehind(name, stored)
 
     def requeue(
         self, chunk_id: str, payload: dict[str, Any], prompt_ids: list[str], dlq_key: str

@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from regen.common import keys
-from regen.consumers.generate.lease import ChunkLease, LeaseBook, LeaseLost
+from regen.consumers.generate.lease import ChunkLease, HandOff, LeaseBook, LeaseLost
+from tests.test_redis_restore import dump_all, restore_all
 
 TAG = "delivery-tag-1"
 
@@ -126,6 +127,7 @@ def test_finishing_acknowledges_and_giving_back_expires_the_lease(r: redis.Redis
     # The acked chunk's `generated` set goes with its ack; the returned one's waits for
     # its next delivery.
     assert not r.exists(done.generated_key) and r.exists(returned.generated_key)
+    assert not r.exists(done.writes_key) and r.exists(returned.writes_key)
     assert book.take_settled(TAG) and book.take_settled("other")
 
 
@@ -133,9 +135,12 @@ def test_a_batch_hand_off_writes_each_result_with_its_mark_once(r: redis.Redis) 
     deliver(r)
     lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
     stream = keys.results_stream("j")
-    assert lease.hand_off(r, stream, [("p1", b"one"), ("p2", b"two")]) == [True, True]
+    assert lease.hand_off(r, stream, [HandOff("p1", b"one"), HandOff("p2", b"two")]) == [True, True]
     # A retry after a lost reply, with one more result: only the new one is written.
-    assert lease.hand_off(r, stream, [("p2", b"two"), ("p3", b"three")]) == [False, True]
+    assert lease.hand_off(r, stream, [HandOff("p2", b"two"), HandOff("p3", b"three")]) == [
+        False,
+        True,
+    ]
     assert [fields[b"r"] for _, fields in r.xrange(stream)] == [b"one", b"two", b"three"]
     assert r.smembers(lease.generated_key) == {b"p1", b"p2", b"p3"}
     assert r.ttl(lease.generated_key) > 0
@@ -150,6 +155,51 @@ def test_a_lost_lease_hands_off_nothing(r: redis.Redis, how: str) -> None:
     else:
         r.zrem(keys.KOMBU_UNACKED_INDEX, TAG)  # kombu's sweep restored it
     with pytest.raises(LeaseLost):
-        lease.hand_off(r, keys.results_stream("j"), [("p1", b"one")])
+        lease.hand_off(r, keys.results_stream("j"), [HandOff("p1", b"one")])
     assert lease.lost.is_set()
     assert r.xlen(keys.results_stream("j")) == 0 and not r.exists(lease.generated_key)
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_rollback_that_lost_a_write_of_the_delivery_refuses_its_ack(
+    r: redis.Redis, lost: bool
+) -> None:
+    """Redis goes back to a copy taken mid-delivery. If the copy lacks a hand-off of
+    this delivery, the ack is refused and the delivery stays in kombu's keys for the
+    sweep to bring back; if it lacks nothing of it, the delivery goes on."""
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    stream = keys.results_stream("j")
+    lease.hand_off(r, stream, [HandOff("p1", b"one")])
+    copy = dump_all(r)
+    if lost:
+        lease.hand_off(r, stream, [HandOff("p2", b"two")])
+    restore_all(r, copy)
+    if not lost:
+        lease.finish(r, "w1")
+        assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is None
+        return
+    with pytest.raises(LeaseLost, match="Redis lost writes"):
+        lease.finish(r, "w1")
+    assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is not None and r.hexists(
+        keys.KOMBU_UNACKED, TAG
+    )
+    assert r.smembers(lease.generated_key) == {b"p1"}, "the next delivery redoes p2"
+    with pytest.raises(LeaseLost):
+        lease.hand_off(r, stream, [HandOff("p3", b"three")])
+    assert r.xlen(stream) == 1
+
+
+def test_a_write_found_landed_after_its_reply_was_lost_counts_for_the_rollback_check(
+    r: redis.Redis,
+) -> None:
+    deliver(r)
+    lease, _ = LeaseBook(r).start("j", "c1", TAG, "w1")
+    copy = dump_all(r)
+    # A dead letter lands but its reply is lost: Redis counts the write, the worker not.
+    r.sadd(lease.generated_key, "p1")
+    r.set(lease.writes_key, 1)
+    assert not lease.write(r, lambda pipe: note(pipe, "p1"), prompt_id="p1")  # the retry
+    restore_all(r, copy)  # Redis goes back to before that write
+    with pytest.raises(LeaseLost, match="Redis lost writes"):
+        lease.finish(r, "w1")

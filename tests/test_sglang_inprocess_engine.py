@@ -19,7 +19,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from regen.consumers.generate.chunk_runner import ChunkContext
+from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, PromptRejected
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine

@@ -18,7 +18,8 @@ from regen.common import dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import turn_id
-from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
+from regen.consumers.generate.chunk_runner import run_chunk
+from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import load_job_chat
 from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn

@@ -4,6 +4,7 @@ serving the Kimi-format tokenizer with thinking on, and kill -9 between turns.""
 from __future__ import annotations
 
 import signal
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.accounting import count_places
 from regen.producer.enqueue import Enqueuer
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job
-from tests.generate_harness import Worker, all_acked, all_generated, results
+from tests.generate_harness import (
+    Worker,
+    all_acked,
+    all_generated,
+    attempts,
+    chunks_held_by,
+    results,
+)
 from tests.helpers import job_ids, wait_for, write_jsonl
 from tests.sglang_standin.process import StandinHandle, run_standin
 from tests.test_tokenize_stage import InProcess, _stop, _worker, options, settled
@@ -163,6 +171,49 @@ def test_kills_between_turns_change_no_record(
     for pid, record in crashed.items():
         assert {f: record[f] for f in same} == {f: reference[pid][f] for f in same}, pid
     assert verified(redis_url, "k", out)["ok"]
+
+
+def test_a_frozen_worker_that_comes_back_writes_no_turn_of_the_chunk_it_lost(
+    redis_url: str, r: redis.Redis, tmp_path: Path, kimi_tokenizer_dir: Path
+) -> None:
+    """SIGSTOP of a worker mid-conversation past its lease; another worker takes the
+    chunk and finishes it; SIGCONT: the answer the frozen worker gets back for the turn
+    it had sent is not handed off, and every turn ends exactly once."""
+    spec = enqueue(redis_url, tmp_path, kimi_tokenizer_dir, "f").spec
+    # 60 tokens at 20 a second: each turn takes 3 s, a chunk of three turns in a row
+    # longer than the test's lease (8 s).
+    slow = run_standin(tokenizer=str(kimi_tokenizer_dir), trust_remote_code=True, think=True,
+                       output_len_dist=ANSWER, decode_tokens_per_s=20)  # fmt: skip
+    with slow as server:
+        frozen = worker(redis_url, tmp_path, server)
+        try:
+            wait_for(lambda: bool(results(r, "f")), timeout=120, what="a first turn")
+            frozen.signal_group(signal.SIGSTOP)
+            held = chunks_held_by(r, "f", frozen.name)
+            before = {res.id for res in results(r, "f")}
+            assert held and len(before) < TURNS
+            with worker(redis_url, tmp_path, server) as other:
+
+                def taken_over() -> bool:
+                    return all(attempts(r, "f", c)[-1]["worker"] == other.name for c in held)
+
+                def over() -> bool:  # the job done, and nothing left in the frozen worker
+                    return all_generated(r, spec) and not chunks_held_by(r, "f", frozen.name)
+
+                wait_for(taken_over, timeout=120, what="the chunk taken over")
+                frozen.signal_group(signal.SIGCONT)
+                wait_for(over, timeout=180, what="the job to finish")
+        finally:
+            frozen.signal_group(signal.SIGCONT)
+            frozen.stop()
+    sent = results(r, "f")
+    stale = {res.id for res in sent if res.worker == frozen.name} - before
+    assert not stale, "the frozen worker handed off turns of a chunk it had lost"
+    assert set(Counter(res.id for res in sent).values()) == {1} and len(sent) == TURNS
+    assert dlq.count(r, "f", "generate") == 0
+    for chunk in held:
+        statuses = [h["status"] for h in attempts(r, "f", chunk) if h["worker"] == frozen.name]
+        assert statuses == ["lost"], statuses
 
 
 def test_a_turn_too_long_blocks_the_later_turns_until_requeued(

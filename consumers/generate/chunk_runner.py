@@ -5,11 +5,11 @@ Each result is handed off (XADD on the job's results stream) in the same script 
 marks the prompt generated for this chunk (the results finished by then go together,
 one round trip), so a redelivered chunk (its worker died,
 or was frozen past its lease) skips the prompts already handed off. Every such write
-checks, in its transaction, that this delivery still holds the chunk's lease (lease.py):
-a worker that lost it drops its results. The delivery is acknowledged only after every
-prompt is in the results stream or the DLQ (docs/design.md, Delivery protocol). A chunk
-of conversations (`--turns all`) runs each one's turns in order (turns.py), each turn
-settled once by its own hand-off script.
+goes through commit.py and checks, in its transaction, that this delivery still holds
+the chunk's lease (lease.py): a worker that lost it drops its results. The delivery is
+acknowledged only after every prompt is in the results stream or the DLQ
+(docs/design.md, Delivery protocol). A chunk of conversations (`--turns all`) runs each
+one's turns in order (turns.py), each turn settled through the same commit path.
 """
 
 from __future__ import annotations
@@ -17,25 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
-import socket
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 
-from regen.common import defaults, jobspec, keys
+from regen.common import defaults, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.connection import OUTAGE_ERRORS, bytes_set
-from regen.common.heartbeat import RateMeter
+from regen.consumers.generate import commit
+from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
-from regen.consumers.generate.job_chat import JobChat, load_job_chat
-from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseBook, LeaseLost
+from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseLost
 from regen.consumers.generate.reasons import Reason
-from regen.consumers.generate.runner import EngineRunner, Outcome
+from regen.consumers.generate.runner import Outcome
 from regen.consumers.generate.settle import (
     GIVE_BACK_AFTER_S,
     ChunkDeferred,
@@ -43,55 +40,10 @@ from regen.consumers.generate.settle import (
     generate_with_retry,
     generated_result,
 )
-from regen.consumers.generate.turns import dead_letter_conversation, run_conversations
+from regen.consumers.generate.turn_state import dead_letter_conversation
+from regen.consumers.generate.turns import run_conversations
 
 log = logging.getLogger("regen.generate")
-
-
-@dataclass
-class ChunkContext:
-    redis: redis.Redis
-    runner: EngineRunner
-    worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    max_attempts: int = defaults.MAX_CHUNK_ATTEMPTS
-    # Output tokens and prompts handed off, for heartbeats and metrics.
-    tokens: RateMeter = field(default_factory=RateMeter)
-    prompts: RateMeter = field(default_factory=RateMeter)
-    # Prompts submitted to the engine and not finished; chunks being worked on; the
-    # limit on chunks held that flow control sets (see flow.py).
-    inflight: int = 0
-    chunks_held: int = 0
-    chunk_limit: int = 0
-    _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
-    _chats: dict[str, JobChat] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _chat_lock: threading.Lock = field(default_factory=threading.Lock)
-    # The leases of the chunks held, renewed by the worker's heartbeat.
-    leases: LeaseBook = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.leases = LeaseBook(self.redis)
-
-    def count_inflight(self, delta: int) -> None:
-        with self._lock:
-            self.inflight += delta
-
-    def count_chunks(self, delta: int) -> None:
-        with self._lock:
-            self.chunks_held += delta
-
-    def spec(self, job: str) -> jobspec.JobSpec:
-        # A job's spec never changes once stored, so caching it for the process is safe.
-        if job not in self._specs:
-            self._specs[job] = jobspec.load(self.redis, job)
-        return self._specs[job]
-
-    def chat(self, job: str) -> JobChat:
-        """The job's tokenizer and template, loaded on first use (`--turns all` jobs)."""
-        with self._chat_lock:
-            if job not in self._chats:
-                self._chats[job] = load_job_chat(self.spec(job))
-            return self._chats[job]
 
 
 @dataclass(frozen=True)
@@ -121,10 +73,8 @@ def _dead_letter_all(
         "attempts": len(history),
         "history": history,
     }
-    count = 0
 
-    def fill(pipe: redis.client.Pipeline) -> None:
-        nonlocal count
+    def fill(pipe: redis.client.Pipeline) -> int:
         count = 0
         for prompt in prompts:
             if prompt.conversation is None:
@@ -132,9 +82,9 @@ def _dead_letter_all(
                 count += 1
             else:
                 count += dead_letter_conversation(ctx.redis, pipe, chunk, prompt, settled, **letter)
+        return count
 
-    lease.write(ctx.redis, fill)
-    return count
+    return commit.dead_letter(ctx, lease, fill)
 
 
 def _hand_off(
@@ -145,27 +95,20 @@ def _hand_off(
     sampling: dict[str, Any],
 ) -> None:
     """Hand completed prompts to the tokenize stage, each result with its mark, in
-    batches of one script each (lease.py)."""
-    stream = keys.results_stream(chunk.job)
+    batches of one script each (commit.py)."""
     for start in range(0, len(completed), defaults.HAND_OFF_BATCH):
-        batch = completed[start : start + defaults.HAND_OFF_BATCH]
-        encoded = [
-            (prompt.id, generated_result(chunk, prompt, result, worker=ctx.worker,
-                                         attempt=lease.attempt, sampling=sampling).encode())
-            for prompt, result in batch
+        batch = [
+            generated_result(chunk, prompt, result, worker=ctx.worker,
+                             attempt=lease.attempt, sampling=sampling)
+            for prompt, result in completed[start : start + defaults.HAND_OFF_BATCH]
         ]  # fmt: skip
-        for (_, result), fresh in zip(
-            batch, lease.hand_off(ctx.redis, stream, encoded), strict=True
-        ):
-            if fresh:
-                ctx.tokens.add(result.completion_tokens)
-                ctx.prompts.add()
+        commit.hand_off(ctx, lease, chunk, batch)
 
 
 def _reject(
     ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, prompt: ChunkPrompt, exc: PromptRejected
 ) -> None:
-    def fill(pipe: redis.client.Pipeline) -> None:
+    def fill(pipe: redis.client.Pipeline) -> int:
         dead_letter(
             pipe,
             chunk,
@@ -176,8 +119,9 @@ def _reject(
             attempts=lease.attempt + 1,
             server=exc.server,
         )
+        return 1
 
-    lease.write(ctx.redis, fill, prompt_id=prompt.id)
+    commit.dead_letter(ctx, lease, fill, prompt_id=prompt.id)
 
 
 def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkOutcome:
@@ -226,9 +170,7 @@ def _run_chunk(
         return ChunkOutcome(0, len(done), dead_lettered)
     try:
         if any(p.conversation is not None for p in todo):
-            # Each turn is settled once by its own hand-off script (turn_state.py), which
-            # refuses a turn another delivery settled: no lease check is needed for that.
-            generated, dead_lettered = run_conversations(ctx, chunk, todo, lease.attempt, done)
+            generated, dead_lettered = run_conversations(ctx, lease, chunk, todo, done)
         else:
             generated, dead_lettered = _generate_all(ctx, lease, chunk, todo)
     except LeaseLost:

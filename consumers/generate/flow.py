@@ -18,7 +18,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from regen.consumers.generate.chunk_runner import ChunkContext
+from regen.consumers.generate.context import ChunkContext
 
 log = logging.getLogger("regen.generate")
 

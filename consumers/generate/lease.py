@@ -8,15 +8,18 @@ live worker keeps a chunk however long it runs, while a dead worker's chunks are
 one lease after its last beat.
 
 A worker holds a chunk while (a) its attempt is the chunk's latest (every delivery that
-starts appends one) and (b) the delivery is still in `unacked_index` (not restored to the
-queue). Every write a chunk makes checks both inside the transaction that writes
-(watching the attempts list; a hand-off of results checks them in its script), so a
-worker frozen past its lease that comes back writes nothing for a chunk another delivery
-took. The worker settles each delivery itself, in
-the same kind of transaction: done removes it from kombu's keys, a give-back sets its
-score to 0 so the next sweep restores it, and a lost lease touches nothing (the delivery
-belongs to whoever holds it now). Celery then only updates its local count of held
-messages (lease_celery.py). See docs/design.md, Delivery protocol.
+starts appends one), (b) the delivery is still in `unacked_index` (not restored to the
+queue) and (c) the chunk's write count is the one this delivery last wrote (Redis
+restored from an older copy lost some of its writes: a rollback cannot fake a count the
+worker holds in memory). Every write a chunk makes checks all three inside the
+transaction that writes (watching the attempts list and the count; a hand-off of
+results checks them in its script), so a worker frozen past its lease that comes back
+writes nothing for a chunk another delivery took, and a delivery whose writes Redis
+lost is never acknowledged: it comes back and redoes them. The worker settles each
+delivery itself, in the same kind of transaction: done removes it from kombu's keys, a
+give-back sets its score to 0 so the next sweep restores it, and a lost lease touches
+nothing (the delivery belongs to whoever holds it now). Celery then only updates its
+local count of held messages (lease_celery.py). See docs/design.md, Delivery protocol.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import orjson
 import redis
@@ -43,21 +46,21 @@ REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 Attempt = dict[str, object]
 T = TypeVar("T")
 
-# KEYS: unacked_index, then per lease its attempts list and generated set.
+# KEYS: unacked_index, then per lease its attempts list, write count and generated set.
 # ARGV: now, state TTL, then per lease its delivery tag ('' = none) and attempt index.
 # Renews the leases still held (and, when half gone, the TTL of their chunk's state);
 # returns the 1-based positions of the leases lost.
 _RENEW_LUA = """
 local lost = {}
 local ttl = tonumber(ARGV[2])
-for i = 1, (#KEYS - 1) / 2 do
-  local attempts, generated = KEYS[2 * i], KEYS[2 * i + 1]
+for i = 1, (#KEYS - 1) / 3 do
+  local attempts, writes, generated = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
   local tag = ARGV[2 * i + 1]
   local held = redis.call('LLEN', attempts) == tonumber(ARGV[2 * i + 2]) + 1
   if held and tag ~= '' then held = redis.call('ZSCORE', KEYS[1], tag) ~= false end
   if held then
     if tag ~= '' then redis.call('ZADD', KEYS[1], 'XX', ARGV[1], tag) end
-    for _, key in ipairs({attempts, generated}) do
+    for _, key in ipairs({attempts, writes, generated}) do
       if redis.call('TTL', key) < ttl / 2 then redis.call('EXPIRE', key, ttl) end
     end
   else
@@ -68,10 +71,11 @@ return lost
 """
 
 
-# KEYS: unacked_index, unacked, the chunk's generated set; ARGV: the delivery tag.
-# kombu's ack, and the end of the chunk's `generated` set (one id per prompt) once it is
-# acked: nothing redelivers an acked chunk (kombu's restore is a transaction watching
-# `unacked`, which this HDEL changes), so the set would only wait out its TTL. If the
+# KEYS: unacked_index, unacked, the chunk's generated set, its write count; ARGV: the
+# delivery tag. kombu's ack, and the end of the chunk's `generated` set (one id per
+# prompt) and write count once it is acked: nothing redelivers an acked chunk (kombu's
+# restore is a transaction watching `unacked`, which this HDEL changes), so they would
+# only wait out their TTL. If the
 # sweep restored the delivery after the lease check (its tag is gone from the index),
 # the chunk is queued again and the set stays for its next delivery. The attempts list
 # (one entry per delivery) stays for its TTL: the chunk's history (docs/design.md,
@@ -79,38 +83,84 @@ return lost
 _ACK_LUA = """
 local acked = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-if acked == 1 then redis.call('DEL', KEYS[3]) end
+if acked == 1 then redis.call('DEL', KEYS[3], KEYS[4]) end
 return acked
 """
 
-# KEYS: attempts list, unacked_index, generated set, results stream.
-# ARGV: attempt index, delivery tag ('' = none), state TTL, the stream's field name, then
-# per result its prompt id and its encoded result.
+# KEYS: attempts list, write count; ARGV: the attempt's JSON, state TTL.
+# A delivery starts: its attempt appended, the chunk's write count set to 0 for it.
+# Returns every attempt so far (this one last).
+_START_LUA = """
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], 0, 'EX', ARGV[2])
+return redis.call('LRANGE', KEYS[1], 0, -1)
+"""
+
+# KEYS: attempts list, unacked_index, write count, generated set, results stream, then
+# the conversations' checkpoint keys (`--turns all`).
+# ARGV: attempt index, delivery tag ('' = none), writes made, state TTL, the stream's
+# field name, then per result: its prompt id, its encoded result, the position in KEYS
+# of its checkpoint (0 = none), the checkpoint's field and the answer ('' deletes it).
 # The lease check of `ChunkLease.write` and a batch of hand-offs in one atomic step: each
-# result is added to the stream with its prompt's mark, unless the prompt was settled
-# already (a retry whose first try landed). Returns {0, flag per result: 1 handed off,
-# 0 already settled}, or {1} when a later delivery started, {2} when the delivery went
-# back to the queue (nothing written).
+# result is added to the stream with its prompt's mark (and a turn's answer with it),
+# unless the prompt was settled already (a retry whose first try landed). Returns
+# {0, flag per result: 1 handed off, 0 already settled}, or {status} (_LOST_WHY) when
+# this delivery does not hold the chunk (nothing written).
 _HAND_OFF_LUA = """
 if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
 if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
+local writes = tonumber(redis.call('GET', KEYS[3]))
+local made = tonumber(ARGV[3])
+if writes ~= made and writes ~= made + 1 then return {3} end
+redis.call('SET', KEYS[3], made + 1, 'EX', ARGV[4])
 local flags = {0}
-for i = 5, #ARGV, 2 do
-  local fresh = redis.call('SADD', KEYS[3], ARGV[i])
-  if fresh == 1 then redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[i + 1]) end
+for i = 6, #ARGV, 5 do
+  local fresh = redis.call('SADD', KEYS[4], ARGV[i])
+  if fresh == 1 then
+    redis.call('XADD', KEYS[5], '*', ARGV[5], ARGV[i + 1])
+    local at = tonumber(ARGV[i + 2])
+    if at > 0 and ARGV[i + 4] == '' then
+      redis.call('DEL', KEYS[at])
+    elseif at > 0 then
+      redis.call('HSET', KEYS[at], ARGV[i + 3], ARGV[i + 4])
+      redis.call('EXPIRE', KEYS[at], ARGV[4])
+    end
+  end
   table.insert(flags, fresh)
 end
-redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[4], ARGV[4])
 return flags
 """
 _LOST_WHY = {
     1: "a later delivery of the chunk started",
     2: "its delivery went back to the queue",
+    3: "Redis lost writes of this delivery (restored from an older copy)",
 }
 
 
 class LeaseLost(Exception):
-    """Another delivery of the chunk holds it now: this one's work is dropped."""
+    """Another delivery of the chunk holds it now (or Redis lost writes of this one):
+    this one's work is dropped."""
+
+
+class Checkpoint(NamedTuple):
+    """A conversation's checkpoint, written with a turn's hand-off (`--turns all`):
+    `answer` under `field` of the hash `key`, or the hash deleted (answer None: the
+    conversation's last turn)."""
+
+    key: str
+    field: str
+    answer: bytes | None
+
+
+class HandOff(NamedTuple):
+    """One result for the results stream: its prompt id, the encoded result, and for a
+    turn its conversation's checkpoint."""
+
+    prompt_id: str
+    encoded: bytes
+    checkpoint: Checkpoint | None = None
 
 
 def _attempt(worker: str, status: str, error: str | None = None) -> bytes:
@@ -129,6 +179,9 @@ class ChunkLease:
         # the chunk did not come through kombu's Redis transport.
         self.tag = tag
         self.attempt = attempt
+        # Writes made under this lease; Redis holds the same count (check (c) above).
+        # Writes run one at a time, on the chunk's thread.
+        self.writes = 0
         self.lost = threading.Event()
         self._book = book
         self._on_lost: list[Callable[[], None]] = []
@@ -140,6 +193,10 @@ class ChunkLease:
     @property
     def attempts_key(self) -> str:
         return keys.chunk_attempts(self.job, self.chunk_id)
+
+    @property
+    def writes_key(self) -> str:
+        return keys.chunk_writes(self.job, self.chunk_id)
 
     @property
     def generated_key(self) -> str:
@@ -190,25 +247,35 @@ class ChunkLease:
         """
         return self._retrying(lambda: self._write_once(r, fill, prompt_id))
 
-    def hand_off(self, r: redis.Redis, stream: str, results: list[tuple[str, bytes]]) -> list[bool]:
-        """Add (prompt id, encoded result) pairs to the results stream, each atomically
-        with its prompt's mark in the chunk's `generated` set, in one script that checks
+    def hand_off(self, r: redis.Redis, stream: str, results: Sequence[HandOff]) -> list[bool]:
+        """Add results to the results stream, each atomically with its prompt's mark in
+        the chunk's `generated` set (and a turn's checkpoint), in one script that checks
         the lease as `write` does; one round trip for the batch. Returns, per result,
         whether it was handed off now (False: it was already settled). Raises LeaseLost
-        when this delivery no longer holds the chunk (nothing written)."""
-        argv: list[str | bytes | int] = [
-            self.attempt, self.tag or "", defaults.CHUNK_STATE_TTL_S, RESULT_FIELD
-        ]  # fmt: skip
-        for prompt_id, encoded in results:
-            argv += [prompt_id, encoded]
-        lua_keys = [self.attempts_key, keys.KOMBU_UNACKED_INDEX, self.generated_key, stream]
-        reply = self._retrying(
-            lambda: self._book.hand_off_script(keys=lua_keys, args=argv, client=r)
-        )
-        status, *flags = (int(x) for x in reply)
+        when this delivery no longer holds the chunk (nothing written). A Redis outage
+        is waited out as `write` does."""
+        lua_keys = [self.attempts_key, keys.KOMBU_UNACKED_INDEX, self.writes_key,
+                    self.generated_key, stream]  # fmt: skip
+        per_result: list[str | bytes | int] = []
+        for result in results:
+            at, field, answer = 0, "", b""
+            if result.checkpoint is not None:
+                lua_keys.append(result.checkpoint.key)
+                at, field = len(lua_keys), result.checkpoint.field
+                answer = result.checkpoint.answer or b""
+            per_result += [result.prompt_id, result.encoded, at, field, answer]
+        ttl = defaults.CHUNK_STATE_TTL_S
+
+        def run() -> list[int]:
+            # The count this delivery has written so far: the same in a retry.
+            argv = [self.attempt, self.tag or "", self.writes, ttl, RESULT_FIELD, *per_result]
+            return [int(x) for x in self._book.hand_off_script(keys=lua_keys, args=argv, client=r)]
+
+        status, *flags = self._retrying(run)
         if status:
             self.mark_lost(_LOST_WHY[status])
             raise LeaseLost(_LOST_WHY[status])
+        self.writes += 1
         return [flag == 1 for flag in flags]
 
     def _retrying(self, write: Callable[[], T]) -> T:
@@ -240,26 +307,35 @@ class ChunkLease:
         with r.pipeline() as pipe:
             while True:
                 try:
-                    # A delivery that starts appends to the attempts list: watching it
-                    # makes the check below hold until EXEC.
-                    pipe.watch(self.attempts_key)
+                    # A delivery that starts appends to the attempts list and resets
+                    # the count: watching both makes the check below hold until EXEC.
+                    pipe.watch(self.attempts_key, self.writes_key)
                     self._check(pipe)
                     if prompt_id is not None and pipe.sismember(self.generated_key, prompt_id):
                         pipe.unwatch()
                         return False
                     pipe.multi()
+                    # Before `fill`: an ack in it deletes the count with the chunk state.
+                    pipe.set(self.writes_key, self.writes + 1, ex=defaults.CHUNK_STATE_TTL_S)
                     fill(pipe)
                     pipe.execute()
+                    self.writes += 1
                     return True
                 except redis.WatchError:
                     continue
 
     def _check(self, pipe: redis.client.Pipeline) -> None:
+        writes = pipe.get(self.writes_key)
         if pipe.llen(self.attempts_key) != self.attempt + 1:
             why = _LOST_WHY[1]
         elif self.tag is not None and pipe.zscore(keys.KOMBU_UNACKED_INDEX, self.tag) is None:
             why = _LOST_WHY[2]
+        elif writes is None or int(writes) not in (self.writes, self.writes + 1):
+            why = _LOST_WHY[3]
         else:
+            # One more than this delivery counted: its last write landed, the reply lost.
+            # Counted now, so a rollback that loses that write is seen too.
+            self.writes = int(writes)
             return
         pipe.unwatch()
         self.mark_lost(why)
@@ -271,7 +347,8 @@ class ChunkLease:
         """End the attempt and acknowledge the delivery (every prompt is settled)."""
 
         ack = r.register_script(_ACK_LUA)
-        lua_keys = [keys.KOMBU_UNACKED_INDEX, keys.KOMBU_UNACKED, self.generated_key]
+        lua_keys = [keys.KOMBU_UNACKED_INDEX, keys.KOMBU_UNACKED, self.generated_key,
+                    self.writes_key]  # fmt: skip
 
         def fill(pipe: redis.client.Pipeline) -> None:
             self._end(pipe, worker, status)
@@ -320,6 +397,7 @@ class LeaseBook:
         self._held: dict[int, ChunkLease] = {}
         self._settled: Counter[str | None] = Counter()
         self._renew = r.register_script(_RENEW_LUA)
+        self._start = r.register_script(_START_LUA)
         self.hand_off_script = r.register_script(_HAND_OFF_LUA)
 
     def start(
@@ -328,13 +406,10 @@ class LeaseBook:
         """Record a delivery's attempt and hold its lease; returns it with every attempt
         so far. An attempt stays "started" unless it ends, so started attempts other
         than this one are deliveries whose worker died (or still runs elsewhere)."""
-        key = keys.chunk_attempts(job, chunk_id)
-        pipe = self._r.pipeline()
-        pipe.rpush(key, _attempt(worker, "started"))
-        pipe.expire(key, defaults.CHUNK_STATE_TTL_S)
-        pipe.lrange(key, 0, -1)
-        length, _, history = pipe.execute()
-        lease = ChunkLease(self, job, chunk_id, tag, length - 1)
+        lua_keys = [keys.chunk_attempts(job, chunk_id), keys.chunk_writes(job, chunk_id)]
+        argv: list[bytes | int] = [_attempt(worker, "started"), defaults.CHUNK_STATE_TTL_S]
+        history = self._start(keys=lua_keys, args=argv)
+        lease = ChunkLease(self, job, chunk_id, tag, len(history) - 1)
         with self._lock:
             self._held[id(lease)] = lease
         return lease, [orjson.loads(h) for h in history]
@@ -359,7 +434,7 @@ class LeaseBook:
         lua_keys = [keys.KOMBU_UNACKED_INDEX]
         args: list[str | int | float] = [time.time(), defaults.CHUNK_STATE_TTL_S]
         for lease in leases:
-            lua_keys += [lease.attempts_key, lease.generated_key]
+            lua_keys += [lease.attempts_key, lease.writes_key, lease.generated_key]
             args += [lease.tag or "", lease.attempt]
         for position in self._renew(keys=lua_keys, args=args):
             lost = leases[int(position) - 1]

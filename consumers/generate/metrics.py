@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.metrics import WorkerMetrics
-from regen.consumers.generate.chunk_runner import ChunkContext
+from regen.consumers.generate.context import ChunkContext
 
 
 class GenerateCollector(Collector):

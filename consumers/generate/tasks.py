@@ -11,7 +11,8 @@ from celery.exceptions import Reject
 
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
-from regen.consumers.generate.chunk_runner import ChunkContext, run_chunk
+from regen.consumers.generate.chunk_runner import run_chunk
+from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.lease import LeaseLost
 from regen.consumers.generate.lease_celery import make_request_class
 from regen.consumers.generate.settle import ChunkDeferred
@@ -39,10 +40,11 @@ def register(app: Celery, ctx: ChunkContext) -> None:
         tag = (self.request.properties or {}).get("delivery_tag")
         try:
             outcome = run_chunk(ctx, chunk, tag)
-        except LeaseLost:
+        except LeaseLost as exc:
             # Another delivery holds the chunk (this worker was frozen or cut off past its
-            # lease): its results are the ones kept; this run's were not written.
-            log.warning("chunk %s: dropped, another delivery holds it", chunk.chunk_id)
+            # lease), or Redis lost writes of this one (restored from an older copy: the
+            # chunk comes back): this run's results from then on were not written.
+            log.warning("chunk %s: dropped: %s", chunk.chunk_id, exc)
             return {"generated": 0, "skipped": 0, "dead_lettered": 0, "dropped": 1}
         except ChunkDeferred as exc:
             log.warning("chunk %s: engine unavailable for too long; giving it back", chunk.chunk_id)

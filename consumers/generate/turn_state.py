@@ -1,12 +1,12 @@
 """Where a conversation stands (`--turns all`), and how each of its turns is settled.
 
-A turn's hand-off is one Redis script: its result onto the results stream, its id into
-the chunk's `generated` set, and the target's answer into the conversation's checkpoint
-(`keys.conversation_answers`), or the checkpoint deleted with the last turn. The script
-refuses a turn already settled, so a turn is handed off once even when its chunk runs
-twice at once; the loser continues on the winner's answer. A redelivered chunk resumes
-each conversation at its first turn not settled, its history rebuilt from the
-checkpointed answers: a handed-off turn is never generated again, nor one skipped.
+A turn is handed off as any result is (commit.py, under the chunk's lease), with the
+target's answer written into the conversation's checkpoint (`keys.conversation_answers`)
+in the same script, or the checkpoint deleted with the last turn. Only the delivery
+holding the chunk's lease writes, so a turn is handed off once even when its chunk runs
+twice at once. A redelivered chunk resumes each conversation at its first turn not
+settled, its history rebuilt from the checkpointed answers: a handed-off turn is never
+generated again, nor one skipped.
 
 A turn that fails is dead-lettered with its history (its prompt messages), the turns
 after it blocked behind it (common/conversation.py), and the checkpoint deleted: the
@@ -27,25 +27,9 @@ from regen.common import dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.output_calls import with_call_ids
-from regen.common.results import FIELD, GeneratedResult
-from regen.consumers.generate.settle import CHUNK_STATE_TTL_S, dead_letter, mark_generated
-
-# KEYS: the chunk's generated set, the results stream, the conversation's answers.
-# ARGV: turn id, ttl, result field, result, turn, answer ('' after the last turn).
-# Returns 1 when handed off, 0 when the turn was already settled.
-_HAND_OFF_LUA = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
-redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-if ARGV[6] == '' then
-  redis.call('DEL', KEYS[3])
-else
-  redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
-  redis.call('EXPIRE', KEYS[3], ARGV[2])
-end
-return 1
-"""
+from regen.common.results import GeneratedResult
+from regen.consumers.generate.lease import Checkpoint
+from regen.consumers.generate.settle import dead_letter, mark_generated
 
 
 class HistoryLost(RuntimeError):
@@ -158,35 +142,11 @@ def resume(r: redis.Redis, chunk: Chunk, prompt: ChunkPrompt, settled: set[str])
     return turn
 
 
-def checkpointed_answer(r: redis.Redis, chunk: Chunk, turn: Turn) -> dict[str, Any] | None:
-    """The answer another delivery handed off for `turn`; None once its conversation has
-    no checkpoint (ended, or dead-lettered)."""
-    raw = r.hget(_answers_key(chunk, turn.conversation), str(turn.index))
-    return None if raw is None else cast("dict[str, Any]", orjson.loads(raw))
-
-
-def hand_off(
-    r: redis.Redis, chunk: Chunk, turn: Turn, result: GeneratedResult, answer: dict[str, Any]
-) -> bool:
-    """Hand the turn's result off with its answer checkpointed; False when it was
-    already settled (by another delivery of the chunk)."""
-    script = r.register_script(_HAND_OFF_LUA)
-    done = script(
-        keys=[
-            keys.chunk_generated(chunk.job, chunk.chunk_id),
-            keys.results_stream(chunk.job),
-            _answers_key(chunk, turn.conversation),
-        ],
-        args=[
-            turn.prompt.id,
-            CHUNK_STATE_TTL_S,
-            FIELD,
-            result.to_fields()[FIELD],
-            turn.index,
-            b"" if turn.is_last else orjson.dumps(answer),
-        ],
-    )
-    return bool(done)
+def checkpoint(chunk: Chunk, turn: Turn, answer: dict[str, Any]) -> Checkpoint:
+    """What the turn's hand-off writes into its conversation's checkpoint: the answer,
+    or, after the last turn, the checkpoint's end."""
+    answer_json = None if turn.is_last else orjson.dumps(answer)
+    return Checkpoint(_answers_key(chunk, turn.conversation), str(turn.index), answer_json)
 
 
 def dead_letter_turn(pipe: redis.client.Pipeline, chunk: Chunk, turn: Turn, **letter: Any) -> int:
@@ -201,3 +161,36 @@ def dead_letter_turn(pipe: redis.client.Pipeline, chunk: Chunk, turn: Turn, **le
         mark_generated(pipe, chunk, *(each.entry_id for each in blocked))
     pipe.delete(_answers_key(chunk, turn.conversation))
     return 1 + len(blocked)
+
+
+def dead_letter_conversation(
+    r: redis.Redis,
+    pipe: redis.client.Pipeline,
+    chunk: Chunk,
+    prompt: ChunkPrompt,
+    settled: set[str],
+    *,
+    message: str,
+    **letter: Any,
+) -> int:
+    """Dead-letter a conversation of a poison chunk at its open turn, with the history
+    checkpointed so far (nothing rendered: the tokenizer may be what failed); returns
+    the turns settled."""
+    try:
+        turn = resume(r, chunk, prompt, settled)
+    except HistoryLost as exc:
+        # Not resumable: the entry says so and keeps no prompt to requeue.
+        message = f"{message}; {exc}"
+        turn = _open_turn_without_history(prompt, settled)
+    if turn is None:
+        return 0
+    return dead_letter_turn(pipe, chunk, turn, message=message, **letter)
+
+
+def _open_turn_without_history(prompt: ChunkPrompt, settled: set[str]) -> Turn:
+    conversation = prompt.conversation
+    assert conversation is not None
+    ids = conversation.turn_ids()
+    offset = next(i for i, tid in enumerate(ids) if tid not in settled)
+    index = conversation.start + offset
+    return Turn(ChunkPrompt(ids[offset], [], [], prompt.source), conversation, index)

@@ -6,8 +6,9 @@ and the target's own answers so far, send it, and so on; the chunk's conversatio
 side by side. The worker drives the turns, rather than the tokenize stage enqueueing
 each next one, because the next turn then reaches the same engine seconds after the
 previous one, while its prefix is still in SGLang's radix cache, and no turn waits for
-a round trip through shards and queues. How each turn is settled exactly once, and how
-a redelivered chunk resumes, is turn_state.py's.
+a round trip through shards and queues. Each turn is settled (handed off or
+dead-lettered) through commit.py, under the chunk's lease like every other result; how a
+redelivered chunk resumes is turn_state.py's.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
 from regen.common import crashpoints
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.consumers.generate import commit
+from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+from regen.consumers.generate.lease import ChunkLease, LeaseLost
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.settle import (
     GIVE_BACK_AFTER_S,
@@ -30,18 +34,13 @@ from regen.consumers.generate.settle import (
     generated_result,
 )
 from regen.consumers.generate.turn_state import (
-    HistoryLost,
     ToolCallDiverged,
     Turn,
-    checkpointed_answer,
+    checkpoint,
     dead_letter_turn,
-    hand_off,
     next_turn,
     resume,
 )
-
-if TYPE_CHECKING:
-    from regen.consumers.generate.chunk_runner import ChunkContext
 
 # Where a crash test kills the worker: right after a turn that has a next one is handed off.
 CRASHPOINT = "generate.between_turns"
@@ -50,10 +49,11 @@ CRASHPOINT = "generate.between_turns"
 class _Conversations:
     """The turns of one delivery of a chunk: those running, and what they came to."""
 
-    def __init__(self, ctx: ChunkContext, chunk: Chunk, attempt: int) -> None:
+    def __init__(self, ctx: ChunkContext, lease: ChunkLease, chunk: Chunk) -> None:
         self.ctx = ctx
+        self.lease = lease
         self.chunk = chunk
-        self.attempt = attempt
+        self.attempt = lease.attempt
         spec = ctx.spec(chunk.job)
         # A requeued chunk may override some params (`regen dlq requeue --set`).
         self.sampling = {**spec.sampling, **chunk.sampling}
@@ -93,21 +93,36 @@ class _Conversations:
         self.running[runner.submit(generate_with_retry(runner, request, self.deadline))] = turn
         self.ctx.count_inflight(1)
 
-    def run(self) -> None:
-        """Until every conversation has ended or stopped at a dead-lettered turn."""
+    def run(self, first: list[Turn]) -> None:
+        """Send the `first` turns, then until every conversation has ended or stopped at
+        a dead-lettered turn."""
+        # A lease a heartbeat found lost stops the turns at once; the wait below wakes.
+        self.lease.on_lost(self._cancel_running)
         try:
+            for turn in first:
+                self.send(turn)
             while self.running:
                 finished, _ = wait(self.running, return_when=FIRST_COMPLETED)
+                if self.lease.lost.is_set():
+                    raise LeaseLost("another delivery holds the chunk")
                 for future in finished:
                     turn = self.running.pop(future)
                     self.ctx.count_inflight(-1)
                     self.finish(turn, future)
         except BaseException:
             # Leaving early: stop the turns still running; the chunk comes back unacked.
+            # Each leaves the count, finished or not (one that ended meanwhile cannot be
+            # cancelled, and nothing else would count it out).
             for future in self.running:
-                if future.cancel():
-                    self.ctx.count_inflight(-1)
+                future.cancel()
+            self.ctx.count_inflight(-len(self.running))
+            self.running.clear()
             raise
+
+    def _cancel_running(self) -> None:
+        # From the heartbeat's thread: list() copies the keys in one step under the GIL.
+        for future in list(self.running):
+            future.cancel()
 
     def finish(self, turn: Turn, future: Future[GenerateResult]) -> None:
         """Hand the turn off and send the next one."""
@@ -123,24 +138,19 @@ class _Conversations:
             self.sampling,
             record_id=turn.prompt.id,
         )
-        ctx = self.ctx
         result = generated_result(
             self.chunk,
             turn.prompt,
             output,
-            worker=ctx.worker,
+            worker=self.ctx.worker,
             attempt=self.attempt,
             sampling=self.sampling,
         )
-        if hand_off(ctx.redis, self.chunk, turn, turn.result(result), answer):
+        marks = [checkpoint(self.chunk, turn, answer)]
+        # Settled already only by this same write, retried after its reply was lost (no
+        # other delivery writes while this one holds the lease): its answer is this one.
+        if commit.hand_off(self.ctx, self.lease, self.chunk, [turn.result(result)], marks)[0]:
             self.generated += 1
-            ctx.tokens.add(output.completion_tokens)
-            ctx.prompts.add()
-        else:  # another delivery of the chunk settled it first: go on from its answer
-            settled = checkpointed_answer(ctx.redis, self.chunk, turn)
-            if settled is None:
-                return
-            answer = settled
         try:
             following = next_turn(turn, answer)
         except ToolCallDiverged as exc:
@@ -151,61 +161,30 @@ class _Conversations:
             self.send(following)
 
     def fail(self, turn: Turn, reason: Reason, message: str, **payload: Any) -> None:
-        pipe = self.ctx.redis.pipeline()
-        self.dead_lettered += dead_letter_turn(
-            pipe,
-            self.chunk,
-            turn,
-            worker=self.ctx.worker,
-            reason=reason,
-            message=message,
-            attempts=self.attempt + 1,
-            **payload,
-        )
-        pipe.execute()
+        def fill(pipe: redis.client.Pipeline) -> int:
+            return dead_letter_turn(
+                pipe,
+                self.chunk,
+                turn,
+                worker=self.ctx.worker,
+                reason=reason,
+                message=message,
+                attempts=self.attempt + 1,
+                **payload,
+            )
+
+        self.dead_lettered += commit.dead_letter(self.ctx, self.lease, fill, turn.prompt.id)
 
 
 def run_conversations(
-    ctx: ChunkContext, chunk: Chunk, prompts: list[ChunkPrompt], attempt: int, settled: set[str]
+    ctx: ChunkContext,
+    lease: ChunkLease,
+    chunk: Chunk,
+    prompts: list[ChunkPrompt],
+    settled: set[str],
 ) -> tuple[int, int]:
     """Run the open turns of the chunk's conversations; (turns generated, dead-lettered)."""
-    conversations = _Conversations(ctx, chunk, attempt)
-    for prompt in prompts:
-        turn = resume(ctx.redis, chunk, prompt, settled)
-        if turn is not None:
-            conversations.send(turn)
-    conversations.run()
+    conversations = _Conversations(ctx, lease, chunk)
+    first = [resume(ctx.redis, chunk, prompt, settled) for prompt in prompts]
+    conversations.run([turn for turn in first if turn is not None])
     return conversations.generated, conversations.dead_lettered
-
-
-def dead_letter_conversation(
-    r: redis.Redis,
-    pipe: redis.client.Pipeline,
-    chunk: Chunk,
-    prompt: ChunkPrompt,
-    settled: set[str],
-    *,
-    message: str,
-    **letter: Any,
-) -> int:
-    """Dead-letter a conversation of a poison chunk at its open turn, with the history
-    checkpointed so far (nothing rendered: the tokenizer may be what failed); returns
-    the turns settled."""
-    try:
-        turn = resume(r, chunk, prompt, settled)
-    except HistoryLost as exc:
-        # Not resumable: the entry says so and keeps no prompt to requeue.
-        message = f"{message}; {exc}"
-        turn = _open_turn_without_history(prompt, settled)
-    if turn is None:
-        return 0
-    return dead_letter_turn(pipe, chunk, turn, message=message, **letter)
-
-
-def _open_turn_without_history(prompt: ChunkPrompt, settled: set[str]) -> Turn:
-    conversation = prompt.conversation
-    assert conversation is not None
-    ids = conversation.turn_ids()
-    offset = next(i for i, tid in enumerate(ids) if tid not in settled)
-    index = conversation.start + offset
-    return Turn(ChunkPrompt(ids[offset], [], [], prompt.source), conversation, index)

@@ -20,7 +20,7 @@ from regen.common import connection, defaults, gc_tuning, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import screen
-from regen.consumers.generate.chunk_runner import ChunkContext
+from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow import make_flow_control
 from regen.consumers.generate.lease_celery import LeaseKeepingConsumer

@@ -1,0 +1,63 @@
+"""What a generate worker's chunks share: its Redis client, engine runner, counters and
+the leases it holds (one per process, handed to every chunk it runs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import redis
+
+from regen.common import defaults, jobspec
+from regen.common.heartbeat import RateMeter
+from regen.consumers.generate.job_chat import JobChat, load_job_chat
+from regen.consumers.generate.lease import LeaseBook
+from regen.consumers.generate.runner import EngineRunner
+
+
+@dataclass
+class ChunkContext:
+    redis: redis.Redis
+    runner: EngineRunner
+    worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    max_attempts: int = defaults.MAX_CHUNK_ATTEMPTS
+    # Output tokens and prompts handed off, for heartbeats and metrics.
+    tokens: RateMeter = field(default_factory=RateMeter)
+    prompts: RateMeter = field(default_factory=RateMeter)
+    # Prompts submitted to the engine and not finished; chunks being worked on; the
+    # limit on chunks held that flow control sets (see flow.py).
+    inflight: int = 0
+    chunks_held: int = 0
+    chunk_limit: int = 0
+    _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
+    _chats: dict[str, JobChat] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _chat_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The leases of the chunks held, renewed by the worker's heartbeat.
+    leases: LeaseBook = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseBook(self.redis)
+
+    def count_inflight(self, delta: int) -> None:
+        with self._lock:
+            self.inflight += delta
+
+    def count_chunks(self, delta: int) -> None:
+        with self._lock:
+            self.chunks_held += delta
+
+    def spec(self, job: str) -> jobspec.JobSpec:
+        # A job's spec never changes once stored, so caching it for the process is safe.
+        if job not in self._specs:
+            self._specs[job] = jobspec.load(self.redis, job)
+        return self._specs[job]
+
+    def chat(self, job: str) -> JobChat:
+        """The job's tokenizer and template, loaded on first use (`--turns all` jobs)."""
+        with self._chat_lock:
+            if job not in self._chats:
+                self._chats[job] = load_job_chat(self.spec(job))
+            return self._chats[job]
