@@ -57,12 +57,12 @@ def test_a_crash_between_a_buffers_chunks_publishes_only_the_missing_samples(
     real = ChunkPublisher.publish
     calls = 0
 
-    def dies_at_the_second(self: ChunkPublisher, *args: Any) -> Any:
+    def dies_at_the_second(self: ChunkPublisher, *args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 2:
             raise SystemExit("killed between two chunks of one buffer")
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(ChunkPublisher, "publish", dies_at_the_second)
     with pytest.raises(SystemExit):
