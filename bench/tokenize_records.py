@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.fix
 
 from regen.common.chat_family import detect_family, render_prompt_ids
 from regen.common.jobspec import JobSpec
+from regen.common.record import RecordContext, build_record
 from regen.common.results import GeneratedResult
 from regen.common.tokenizer import load_tokenizer
-from regen.consumers.tokenize.record import RecordContext, build_record
 from tests.fixtures.kimi_tokenizer import build_kimi_tokenizer
 from tests.sglang_standin.completer import SENTENCES
 

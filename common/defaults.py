@@ -106,6 +106,9 @@ AFFINITY_KEYS = 16_384
 # age (it bounds how long results wait unacknowledged), or this long without a result.
 SHARD_MAX_ROWS = 100_000
 SHARD_MAX_BYTES = 256 * 1024**2
+# zstd level of the shards (and of `regen plan`'s estimate of their size): 3, zstd's
+# default, compresses a record's JSON ~3-4x at hundreds of MB/s.
+SHARD_ZSTD_LEVEL = 3
 SHARD_MAX_AGE_S = 300.0
 SHARD_IDLE_S = 10.0
 # Answers cut at max_new_tokens: "keep" them (flagged `truncated`: every token is still

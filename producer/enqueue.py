@@ -31,10 +31,10 @@ from celery import Celery
 
 from regen.common import chat_family, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.committed_index import committed_index
 from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.queues import waiting_chunks
 from regen.common.samples import SEED_PARAM, sample_id, sample_seed
-from regen.consumers.tokenize.commit import CommitLedger
 from regen.producer.conversations import job_prompt
 from regen.producer.job_ids import JobIds
 from regen.producer.publish import ChunkPublisher, CursorBehind
@@ -111,7 +111,7 @@ class Enqueuer:
         self._job = job
         self._spec = job.spec
         self._publisher = ChunkPublisher(app, r, self._spec)
-        self._ledger = CommitLedger(r, self._spec.name)
+        self._committed = committed_index(r, self._spec.name)
         self._ids = JobIds(r, self._spec.name)
         self._high_water = high_water
         self._on_progress = on_progress
@@ -324,7 +324,7 @@ class Enqueuer:
         """Of ids not in the job's id set, those committed to a shard or dead-lettered
         (after `regen recover`); they are put back into the job's ids, so every place
         they are in counts them, and are not queued again."""
-        committed = self._ledger.owner_of(ids)
+        committed = self._committed.get(ids)
         dead = dlq.dead_lettered(self._r, self._spec.name, ids)
         settled = [
             pid for pid, shard, is_dead in zip(ids, committed, dead, strict=True)

@@ -38,10 +38,10 @@ from typing import Any
 import orjson
 import zstandard
 
+from regen.common import defaults
 from regen.common.chat_family import prompt_opens_think
+from regen.common.record import CheckFailed, RecordContext, build_record
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.record import CheckFailed, RecordContext, build_record
-from regen.consumers.tokenize.shard_files import ZSTD_LEVEL
 from regen.producer.rows import Prompt
 from regen.producer.spec import PreparedJob
 
@@ -136,7 +136,11 @@ def _measure_set(
         lines.append(orjson.dumps(record) + b"\n")
         tokens += len(record["input_ids"])
     raw = b"".join(lines)
-    return len(raw), len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)), tokens
+    return (
+        len(raw),
+        len(zstandard.ZstdCompressor(level=defaults.SHARD_ZSTD_LEVEL).compress(raw)),
+        tokens,
+    )
 
 
 def _result(

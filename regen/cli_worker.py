@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from regen.common import defaults
+from regen.common.record import ON_TRUNCATED
 from regen.consumers.generate.engines import AUTO, BUILTIN
-from regen.consumers.tokenize.record import ON_TRUNCATED
 from regen.options import (
     F,
     csv_list,

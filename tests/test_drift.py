@@ -1,4 +1,4 @@
-"""The drift check's cut (consumers/tokenize/drift.py): re-tokenizing only what follows
+"""The drift check's cut (common/drift.py): re-tokenizing only what follows
 the prompt's last cut token finds exactly what re-tokenizing the whole rendering finds."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from regen.common.chat_family import render_prompt_ids
+from regen.common.drift import cut_ids, drift_at
 from regen.common.tokenizer import load_tokenizer
-from regen.consumers.tokenize.drift import cut_ids, drift_at
 
 NO_CUTS: frozenset[int] = frozenset()
 WORDS = ["the", "a", "fact", "moon.", "Hello,", "world!", "é", "日本", "\n", " ", "\t", "x  y"]

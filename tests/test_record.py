@@ -11,8 +11,7 @@ from transformers import AutoTokenizer
 
 from regen.common.chat_family import detect_family, render_prompt_ids
 from regen.common.jobspec import JobSpec
-from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.record import (
+from regen.common.record import (
     RECORD_FIELDS,
     RECORD_SCHEMA,
     CheckFailed,
@@ -20,6 +19,7 @@ from regen.consumers.tokenize.record import (
     RecordContext,
     build_record,
 )
+from regen.common.results import GeneratedResult
 
 IM_END = 163586  # Kimi's end of turn
 THINK, THINK_END = 163606, 163607

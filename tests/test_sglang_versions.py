@@ -15,6 +15,7 @@ import redis
 
 from regen.common.backoff import Backoff
 from regen.common.chat_family import detect_family, render_prompt_ids
+from regen.common.record import build_record
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engines.admission import (
     AdmissionController,
@@ -26,7 +27,6 @@ from regen.consumers.generate.engines.sglang_admission import AdmissionPoller
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.job_chat import JobChat
-from regen.consumers.tokenize.record import build_record
 from tests.generate_harness import all_generated, results
 from tests.helpers import wait_for
 from tests.sglang_standin import run_standin

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from regen.cli_shards import shards_group
-from regen.consumers.tokenize.record import RECORD_SCHEMA
+from regen.common.record import RECORD_SCHEMA
 from regen.consumers.tokenize.shard_files import (
     MANIFEST,
     MAX_MANIFEST_LINE,
@@ -93,7 +93,7 @@ def test_verify_passes_on_good_output(job: Path) -> None:
 
 
 def test_verify_passes_on_real_records(tmp_path: Path, kimi_tokenizer: Any) -> None:
-    from regen.consumers.tokenize.record import build_record
+    from regen.common.record import build_record
     from tests.test_record import IM_END, THINK_END, ids, make_ctx, make_result
 
     ctx = make_ctx(kimi_tokenizer)

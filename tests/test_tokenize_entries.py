@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from regen.common import dlq, jobspec, keys
+from regen.common.record import Reason
 from regen.common.results import FIELD, GeneratedResult
 from regen.consumers.tokenize.entries import (
     FIELD_TYPES,
@@ -20,7 +21,6 @@ from regen.consumers.tokenize.entries import (
     Unreadable,
     read_entry,
 )
-from regen.consumers.tokenize.record import Reason
 from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile
 from regen.producer.job_ids import JobIds

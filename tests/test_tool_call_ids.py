@@ -15,10 +15,10 @@ from regen.common.celery_app import make_app
 from regen.common.chat_family import detect_family, render_prompt_ids
 from regen.common.chunk import ChunkPrompt
 from regen.common.conversation import turn_id
+from regen.common.record import build_record
 from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import JobChat
 from regen.consumers.generate.turn_state import Turn, next_turn
-from regen.consumers.tokenize.record import build_record
 from regen.producer.conversations import split_turns
 from regen.producer.enqueue import Enqueuer
 from regen.producer.rows import to_prompt

@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 import orjson
 import redis
 
-from regen.common import jobspec, keys, settings
+from regen.common import keys, settings
+from regen.common.committed_index import committed_index
 from regen.common.connection import bytes_hash
-from regen.common.id_buckets import BucketedIds
 from regen.common.quality_flags import FLAGS
 from regen.consumers.tokenize.shard_files import shard_name, shard_number
 
@@ -246,8 +246,7 @@ class CommitLedger:
         one an older regen wrote, raises JobSpecError."""
         self._r = r
         self._job = job
-        buckets = jobspec.load(r, job).id_buckets
-        self._index = BucketedIds(r, buckets, lambda b: keys.committed(job, b))
+        self._index = committed_index(r, job)
         self._claim = r.register_script(_CLAIM_LUA)
         self._finalize = r.register_script(_FINALIZE_LUA)
         self._restore = r.register_script(_RESTORE_LUA)

@@ -25,11 +25,11 @@ from regen.common.backoff import Backoff
 from regen.common.chat_family import detect_family
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.heartbeat import last_seen
+from regen.common.record import RecordContext
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
-from regen.consumers.tokenize.record import RecordContext
 from regen.consumers.tokenize.shard_files import check_writable
 from regen.consumers.tokenize.takeover import (
     claim_from,

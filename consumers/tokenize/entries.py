@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
+from regen.common.record import Reason
 from regen.common.results import FIELD, GeneratedResult
-from regen.consumers.tokenize.record import Reason
 
 # Bytes of an unreadable entry kept in its dead letter (as the generate stage keeps a
 # poison message's): enough to see what wrote it, bounded however large the entry.

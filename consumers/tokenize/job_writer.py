@@ -25,6 +25,7 @@ import redis
 from regen.common import crashpoints, defaults, dlq, keys, provenance
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.id_buckets import BucketedIds
+from regen.common.record import CheckFailed, Reason, RecordContext, build_record
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.disk_truth import (
@@ -34,7 +35,6 @@ from regen.consumers.tokenize.disk_truth import (
     manifest_epoch,
 )
 from regen.consumers.tokenize.entries import Unreadable, read_entry
-from regen.consumers.tokenize.record import CheckFailed, Reason, RecordContext, build_record
 from regen.consumers.tokenize.shard_files import (
     OpenShard,
     ShardExists,

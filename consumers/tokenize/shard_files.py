@@ -34,7 +34,7 @@ from typing import IO, Any, cast
 import orjson
 import zstandard
 
-from regen.common import crashpoints
+from regen.common import crashpoints, defaults
 from regen.common.zstd_reader import open_zstd
 
 log = logging.getLogger("regen.tokenize")
@@ -48,7 +48,6 @@ _SHARD_SUFFIX = ".jsonl.zst"
 SHARD_GLOB = f"{_SHARD_PREFIX}*{_SHARD_SUFFIX}"
 TMP_SUFFIX = ".tmp"
 REWRITE_SUFFIX = ".rewrite"
-ZSTD_LEVEL = 3
 # What reading a damaged shard raises: a cut or corrupt zstd frame (zstandard.ZstdError,
 # TruncatedFrame included), a line that is not JSON, or bytes that are not UTF-8.
 READ_ERRORS = (zstandard.ZstdError, orjson.JSONDecodeError, UnicodeDecodeError)
@@ -176,7 +175,9 @@ class OpenShard:
         self._hash = hashlib.sha256()
         # zstandard only calls write() and flush() on it; its stub asks for a whole IO[bytes].
         sink = cast(IO[bytes], _HashingWriter(self._file, self._hash))
-        self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(sink, closefd=False)
+        self._zstd = zstandard.ZstdCompressor(level=defaults.SHARD_ZSTD_LEVEL).stream_writer(
+            sink, closefd=False
+        )
 
     def add(self, record: dict[str, Any]) -> None:
         line = orjson.dumps(record) + b"\n"

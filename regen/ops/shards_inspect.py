@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from regen.consumers.tokenize.record import (
+from regen.common.record import (
     FINISH_REASONS,
     OPTIONAL_RECORD_FIELDS,
     RECORD_FIELDS,

@@ -62,11 +62,11 @@ from regen.common.chat_family import (
 )
 from regen.common.detokenize import detokenize, is_token
 from regen.common.dlq import ReasonCode, Refused
+from regen.common.drift import cut_ids, drift_at, first_difference
 from regen.common.jobspec import JobSpec
 from regen.common.output_calls import turn_calls
 from regen.common.quality import quality_flags
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.drift import cut_ids, drift_at, first_difference
 
 RECORD_SCHEMA = "regen.record/3"
 # Field -> accepted JSON types, for readers that validate (shards verify).
