@@ -21,7 +21,6 @@ import os
 import queue
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -37,7 +36,6 @@ from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseBook, Lease
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import EngineRunner, Outcome
 from regen.consumers.generate.settle import (
-    GIVE_BACK_AFTER_S,
     ChunkDeferred,
     dead_letter,
     generate_with_retry,
@@ -252,7 +250,6 @@ def _generate_all(
     spec = ctx.spec(chunk.job)
     # A requeued chunk may override some params (`regen dlq requeue --set`).
     sampling = {**spec.sampling, **chunk.sampling}
-    deadline = time.monotonic() + GIVE_BACK_AFTER_S
     requests = [
         GenerateRequest(
             rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
@@ -262,7 +259,7 @@ def _generate_all(
         for prompt in todo
     ]
     batch = ctx.runner.start_batch(
-        [generate_with_retry(ctx.runner, request, deadline) for request in requests]
+        [generate_with_retry(ctx.runner, request) for request in requests]
     )
     ctx.count_inflight(len(todo))
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
