@@ -122,6 +122,9 @@ class StandinConfig:
     startup_delay: float = _opt(0.0, "seconds /health answers 503 after start (warm-up)")
     fault: tuple[str, ...] = _opt((), "arm faults at start: KIND:COUNT[:DELAY_S], repeatable")
     unhealthy: bool = _opt(False, "start with /health answering 503")
+    keep_abandoned: bool = _opt(
+        False, "keep generating an answer whose client went away (SGLang aborts it)"
+    )
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
