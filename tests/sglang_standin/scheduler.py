@@ -51,7 +51,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.served: deque[dict[str, Any]] = deque(maxlen=SERVED_KEPT)
         # Slot accounting a bench reads back (slot model): each request's time on a slot
-        # ({rid, start, end, outcome}: end None while it runs; outcome "completed" or
+        # ({rid, prompt, start, end, outcome}: end None while it runs; outcome "completed" or
         # "aborted", the client gone), and the busy time of work thrown away: answers
         # aborted mid-way and answers to a prompt already answered (a redo).
         self.slot_log: deque[dict[str, Any]] = deque(maxlen=SLOT_LOG_KEPT)
@@ -119,7 +119,13 @@ class Scheduler:
                 await asyncio.sleep(delay_s)
             return self._reply(item, done, started, cached)
         await self.slots.acquire()
-        entry = {"rid": item.rid, "start": time.time(), "end": None, "outcome": "running"}
+        entry = {
+            "rid": item.rid,
+            "prompt": hash(tuple(item.input_ids)),  # the same in every process: ints
+            "start": time.time(),
+            "end": None,
+            "outcome": "running",
+        }
         self.slot_log.append(entry)
         try:
             cached = self._prefill(item)
@@ -147,7 +153,7 @@ class Scheduler:
             self.aborted_busy_s += busy
             return
         entry["outcome"] = "completed"
-        key = hash(tuple(item.input_ids))
+        key = entry["prompt"]
         if key in self._answered:
             self.counters["repeated_total"] += 1
             self.repeated_busy_s += busy
