@@ -9,6 +9,7 @@ passes again (sglang_pool).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -24,7 +25,11 @@ from regen.consumers.generate.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from regen.consumers.generate.engines.admission import AdmissionPolicy
+from regen.consumers.generate.engines.admission import (
+    AdmissionPolicy,
+    MetricsUnavailable,
+    parse_metrics,
+)
 from regen.consumers.generate.engines.sglang_admission import AdmissionPoller
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import (
@@ -203,7 +208,9 @@ class SGLangHTTPEngine:
         return bool(self._pool.healthy())
 
     def capacity(self) -> int:
-        return sum(s.cap for s in self._pool.healthy())
+        """Requests the healthy servers start soon: each one's limit, or its running
+        slots where its /metrics show fewer (flow control holds no more than this)."""
+        return sum(s.startable() for s in self._pool.healthy())
 
     def servers(self) -> list[ServerState]:
         return list(self._pool.servers)
@@ -317,7 +324,18 @@ class SGLangHTTPEngine:
         requests and throughput over the servers, and keeps the highest token usage
         (admission.parse_metrics), so the router's one limit follows all of them. A
         server that does not answer is left out of that reading.
+
+        Each reading also tells what the server runs at once (server_slots.py), which
+        bounds what flow control counts on (capacity()).
         """
+        status, body = await self._read_metrics(server)
+        if status == 200:
+            with contextlib.suppress(MetricsUnavailable):
+                load = parse_metrics(body.decode("utf-8", errors="replace"))
+                server.slots.observe(load.running, load.queued, time.monotonic())
+        return status, body
+
+    async def _read_metrics(self, server: ServerState) -> tuple[int, bytes]:
         headers = self._auth_headers[server]
         status, body = await self._get_metrics(server.url, headers)
         if status != 404:

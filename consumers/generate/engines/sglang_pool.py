@@ -38,6 +38,7 @@ from yarl import URL
 from regen.common import defaults
 from regen.common.backoff import Backoff
 from regen.consumers.generate.engines.cache_tally import CacheTally
+from regen.consumers.generate.engines.server_slots import SlotEstimate
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class ServerState:
     # Output tokens per second one request gets here, from its replies (None: no reply
     # yet); sizes each request's read timeout (sglang_http.read_timeout_s).
     decode_tps: float | None = None
+    # What it runs at once, from its /metrics (with `--max-inflight auto`).
+    slots: SlotEstimate = field(default_factory=SlotEstimate)
 
     def note_speed(self, tokens: int, seconds: float) -> None:
         """Fold one reply's tokens over its latency into `decode_tps`."""
@@ -127,6 +130,12 @@ class ServerState:
         rate = tokens / seconds
         old = self.decode_tps
         self.decode_tps = rate if old is None else old + SPEED_WEIGHT * (rate - old)
+
+    def startable(self) -> int:
+        """Requests it starts soon: its limit, or fewer where /metrics show it runs
+        fewer at once (server_slots.py); what flow control counts on (flow.py)."""
+        slots = self.slots.estimate()
+        return self.cap if slots is None else min(self.cap, slots)
 
     def routable(self, now: float) -> bool:
         return self.healthy and self.overload_until <= now and self.inflight < self.cap
@@ -144,6 +153,7 @@ class ServerState:
             "last_error": self.last_error,
             "overloaded_for_s": max(0.0, self.overload_until - time.monotonic()),
             "decode_tokens_per_s": self.decode_tps,
+            "startable": self.startable(),
             **self.cache.snapshot(),
         }
 
