@@ -7,7 +7,9 @@ each) against real `regen worker generate` processes, one per server, and prints
 each run:
 
 - busy: the share of each server's slot time that was busy from the first request
-  until the last prompt (or turn) was started: no slot idle while work waits;
+  until the last prompt (or turn) was started, while some prompt could have started
+  but had not (a conversation's next turn can start only once its previous turn has
+  ended): no slot idle while work waits;
 - waste: the share of busy slot time spent on answers later thrown away (aborted
   mid-way, answered twice, or lost with a killed server);
 - aborted requests, chunks given back (deliveries that ended other than done);
@@ -30,6 +32,7 @@ by 10 (a run in well under a minute; tests/test_long_generations.py runs it).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -67,7 +70,7 @@ KILL_AT = 0.4
 class Figures:
     run: str
     prompts: int
-    busy: list[float]  # per server
+    busy: list[float]  # per server, while work waits
     waste: float
     aborted: int
     given_back: int
@@ -221,13 +224,7 @@ def measure(
 ) -> Figures:
     entries = [e for log in logs for e in log]
     first = min(e["start"] for e in entries)
-    last_start = max(e["start"] for e in entries)
-    window = max(last_start - first, 1e-9)
-    busy = [
-        sum(max(0.0, min(e["end"], last_start) - max(e["start"], first)) for e in log)
-        / (args.slots * window)
-        for log in logs
-    ]
+    busy = busy_while_work_waits(logs, args.slots)
     total_busy = sum(e["end"] - e["start"] for e in entries)
     waste_s = lost_s + sum(s["aborted_busy_s"] + s["repeated_busy_s"] for s in stats)
     chunk_ids = [raw.decode() for raw in r.hkeys(keys.job_chunks(spec.name))]
@@ -251,6 +248,45 @@ def measure(
         redone=sum(n - 1 for n in started.values()),
         lost_at_kill=lost,
     )
+
+
+def available_at(entries: list[dict[str, Any]], first: float) -> dict[int, float]:
+    """When each request could have started (by its index in `entries`): a conversation's
+    later turn once its previous turn ended, anything else from the first request on.
+    Turn rids are CHUNK-CONVERSATION-TURN-ATTEMPT, a retry's with "~N" after."""
+    turns: dict[str, dict[int, dict[str, Any]]] = {}
+    for e in entries:
+        key, turn, _ = e["rid"].split("~")[0].rsplit("-", 2)
+        if turn.isdigit() and e["outcome"] == "completed":
+            turns.setdefault(key, {})[int(turn)] = e
+    available = {}
+    for i, e in enumerate(entries):
+        key, turn, _ = e["rid"].split("~")[0].rsplit("-", 2)
+        previous = turns.get(key, {}).get(int(turn) - 1) if turn.isdigit() else None
+        available[i] = previous["end"] if previous is not None else first
+    return available
+
+
+def busy_while_work_waits(logs: list[list[dict[str, Any]]], slots: int) -> list[float]:
+    """Per server, the share of its slot time busy while some request of the job could
+    have started but had not, from the first request until the last one started."""
+    entries = [e for log in logs for e in log]
+    first = min(e["start"] for e in entries)
+    last_start = max(e["start"] for e in entries)
+    available = available_at(entries, first)
+    times = sorted({first, last_start, *(t for e in entries for t in (e["start"], e["end"])),
+                    *available.values()})  # fmt: skip
+    times = [t for t in times if first <= t <= last_start]
+    busy = [0.0 for _ in logs]
+    waited = 0.0
+    for a, b in itertools.pairwise(times):
+        mid = (a + b) / 2
+        if not any(available[i] <= mid < e["start"] for i, e in enumerate(entries)):
+            continue  # nothing could start: an idle slot wastes nothing
+        waited += b - a
+        for s, log in enumerate(logs):
+            busy[s] += (b - a) * sum(e["start"] <= mid < e["end"] for e in log)
+    return [b / (slots * waited) if waited else 1.0 for b in busy]
 
 
 def report(f: Figures, args: argparse.Namespace) -> None:

@@ -11,8 +11,6 @@ from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "long_generations.py"
 
 
@@ -33,6 +31,7 @@ def _args(**changes: object) -> argparse.Namespace:
     return argparse.Namespace(**{**args, **changes})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["last", "all"])
 def test_a_quick_long_generation_run_aborts_and_gives_back_nothing(run: str) -> None:
     figures = _bench().run(run, _args())
@@ -40,3 +39,23 @@ def test_a_quick_long_generation_run_aborts_and_gives_back_nothing(run: str) -> 
     assert figures.waste == 0.0 and figures.redone == 0, figures
     # Busy while work waited: loose bounds, as the machine running tests is shared.
     assert min(figures.busy) > 0.8, figures
+
+
+def _entry(rid: str, start: float, end: float) -> dict[str, object]:
+    return {"rid": rid, "prompt": hash(rid), "start": start, "end": end, "outcome": "completed"}
+
+
+def test_an_idle_slot_counts_only_while_a_request_could_have_started() -> None:
+    """One slot. Conversation c's turn 1 runs 0-10 s, its turn 2 10-20 s: nothing else
+    could start meanwhile, so the slot counts fully busy. Prompt p could start from 0
+    but waits until 25 s, while the slot idles 20-25 s: that idle time counts."""
+    log = [
+        _entry("k-c-0-0", 0.0, 10.0),
+        _entry("k-c-1-0", 10.0, 20.0),
+        _entry("k-p-0", 25.0, 30.0),
+    ]
+    (busy,) = _bench().busy_while_work_waits([log], slots=1)
+    assert busy == pytest.approx(20.0 / 25.0)
+    # Without p, turn 2 waited on turn 1 alone: never an idle slot with work waiting.
+    (busy,) = _bench().busy_while_work_waits([log[:2]], slots=1)
+    assert busy == pytest.approx(1.0)
