@@ -2,7 +2,7 @@
 
 Starts the SGLang stand-in with its batch model (tests/sglang_standin/batching.py) in two
 settings, and drives the real SGLang HTTP engine the way a generate worker's flow control
-does (consumers/generate/flow.py: LOW x the engine's capacity outstanding):
+does (consumers/generate/flow.py: the engine's capacity plus a slack outstanding):
 
 - compute-bound: a decode pass takes longer the more requests run, tokens/s grows with
   the batch up to the server's 1024 running slots, and the KV cache never fills;
@@ -36,10 +36,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from regen.common import defaults
+from regen.common.heartbeat import RateMeter
 from regen.consumers.generate.engine import GenerateRequest
 from regen.consumers.generate.engines.admission import AdmissionPolicy
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
-from regen.consumers.generate.flow import LOW
+from regen.consumers.generate.flow import slack
 from tests.sglang_standin.process import StandinHandle, run_standin
 
 OUTPUT_LEN = "lognormal:mean=300,sigma=0.8,min=8,max=1500"
@@ -76,15 +77,17 @@ class Run:
 async def drive(
     engine: SGLangHTTPEngine, server: StandinHandle, prompt_len: int, args: argparse.Namespace
 ) -> float:
-    """Keep LOW x capacity requests outstanding for `args.seconds`; the tokens/s the
+    """Keep capacity + slack requests outstanding for `args.seconds`; the tokens/s the
     server decoded after `args.warmup` (counted as decoded, not as answers finish: an
     answer takes ~10 s, and counting at the finish would credit a run with what it
     decoded before the window)."""
     rng = random.Random(0)
+    finished = RateMeter()
 
     async def one(i: int) -> None:
         ids = [rng.randrange(100, 40_000) for _ in range(prompt_len)]
         await engine.generate(GenerateRequest(f"bench-{i}", ids, {"max_new_tokens": 2048}))
+        finished.add()
 
     tasks: set[asyncio.Task[None]] = set()
     i = 0
@@ -95,7 +98,8 @@ async def drive(
         if not window and time.monotonic() >= start + args.warmup:
             decoded = (await asyncio.to_thread(server.stats))["decoded_total"]
             window.append((time.monotonic(), decoded))
-        want = int(LOW * max(engine.capacity(), 1)) + 1
+        capacity = max(engine.capacity(), 1)
+        want = capacity + slack(capacity, finished.rate())
         while len(tasks) < want:
             task = asyncio.create_task(one(i))
             tasks.add(task)

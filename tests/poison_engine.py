@@ -24,7 +24,7 @@ class PoisonEngine:
         self._marker = os.environ["REGEN_TEST_POISON"]
 
     async def generate(
-        self, request: GenerateRequest, *, deadline: float | None = None
+        self, request: GenerateRequest, *, outage_s: float | None = None
     ) -> GenerateResult:
         if self._marker in self._tokenizer.decode(request.prompt_ids):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -211,9 +211,12 @@ def test_a_long_outage_gives_chunks_back_without_spending_attempts(
 def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
-    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS, chunk_size=4)
+    # More prompts than it may hold (4 slots and a slack of 2 take ~2 chunks of 4), so
+    # most are still on the queue when it stops (flow.py).
+    prompts = [f"Tell me fact number {i} about the sun." for i in range(40)]
+    spec = enqueue_prompts(redis_url, tmp_path, prompts, chunk_size=4)
     with run_standin(decode_tokens_per_s=40) as server:
-        worker = http_worker(redis_url, tmp_path, server.url)
+        worker = http_worker(redis_url, tmp_path, server.url, options=("--max-inflight", "4"))
         wait_for(lambda: len(result_ids(r, "g")) >= 1, timeout=120, what="first results")
         worker.stop()  # SIGTERM: stop taking chunks, finish (or return) those held
         assert worker.process.returncode == 0, worker.log()

@@ -5,9 +5,11 @@ oldest first, and a slot is never lost to a waiter that was cancelled after its 
 from __future__ import annotations
 
 import asyncio
-import time
+
+import pytest
 
 from regen.common.backoff import Backoff
+from regen.consumers.generate.engines import sglang_pool
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 
 
@@ -87,12 +89,12 @@ def test_a_raised_limit_wakes_every_waiter_it_makes_room_for() -> None:
     assert asyncio.run(scenario()) == 4
 
 
-def test_a_waiter_gives_up_at_its_deadline_and_leaves_no_live_waiter() -> None:
+def test_a_waiter_gives_up_after_an_outage_and_leaves_no_live_waiter() -> None:
     async def scenario() -> tuple[bool, int]:
         pool = _pool(cap=1)
-        await pool.acquire(None)
+        pool.servers[0].healthy = False
         try:
-            await pool.acquire(time.monotonic() + 0.05)
+            await pool.acquire(0.05)
         except TimeoutError:
             timed_out = True
         else:
@@ -100,3 +102,99 @@ def test_a_waiter_gives_up_at_its_deadline_and_leaves_no_live_waiter() -> None:
         return timed_out, sum(not w.done() for w in pool._slot_waiters)
 
     assert asyncio.run(scenario()) == (True, 0)
+
+
+class FakeClock:
+    """time.monotonic for the pool and for the event loop's timers alike: a timer fires
+    only once the test has moved the time past it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_busy_healthy_server_is_waited_out_however_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full server for hours is no reason to give up: only an outage is (fake clock;
+    each step wakes the waiter, which looks at the time again)."""
+    clock = FakeClock()
+    monkeypatch.setattr(sglang_pool.time, "monotonic", clock)
+
+    async def scenario() -> bool:
+        pool = _pool(cap=1)
+        held = await pool.acquire(75.0)
+        waiting = asyncio.create_task(pool.acquire(75.0))
+        for _ in range(10):  # ten 15-minute answers' worth of waiting
+            clock.now += 900.0
+            pool._notify()
+            await _settle()
+            assert not waiting.done()
+        pool.release(held, ok=True)
+        server = await asyncio.wait_for(waiting, timeout=5)
+        return server is held
+
+    assert asyncio.run(scenario())
+
+
+def test_the_outage_clock_starts_when_the_last_server_goes_down_and_resets_on_recovery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(sglang_pool.time, "monotonic", clock)
+
+    async def scenario() -> None:
+        pool = _pool(cap=1)
+        await pool.acquire(75.0)  # full
+        server = pool.servers[0]
+        waiting = asyncio.create_task(pool.acquire(75.0))
+        await _settle()
+        clock.now += 500.0  # busy: no clock runs
+        server.healthy = False
+        pool._notify()  # down now: the outage starts here, not at the first request
+        assert pool.outage_since() == clock.now
+        clock.now += 74.0
+        pool._notify()
+        await _settle()
+        assert not waiting.done()
+        server.healthy = True  # back within the outage limit: the clock resets
+        pool._notify()
+        assert pool.outage_since() is None
+        await _settle()
+        clock.now += 10.0
+        server.healthy = False
+        pool._notify()
+        clock.now += 74.0
+        pool._notify()
+        await _settle()
+        assert not waiting.done()  # 74 s of the new outage, not 158 s
+        clock.now += 2.0
+        pool._notify()
+        await _settle()
+        assert waiting.done()
+        with pytest.raises(TimeoutError):
+            waiting.result()
+
+    asyncio.run(scenario())
+
+
+def test_a_next_turn_takes_the_freed_slot_before_first_turns() -> None:
+    async def scenario() -> list[str]:
+        pool = _pool(cap=1)
+        held = await pool.acquire(None)
+        order: list[str] = []
+
+        async def wait(name: str, urgent: bool) -> None:
+            server = await pool.acquire(None, urgent=urgent)
+            order.append(name)
+            pool.release(server, ok=True)
+
+        tasks = [asyncio.create_task(wait(f"first-{i}", False)) for i in range(3)]
+        await _settle()
+        tasks.append(asyncio.create_task(wait("next-turn", True)))
+        await _settle()
+        pool.release(held, ok=True)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["next-turn", "first-0", "first-1", "first-2"]

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from regen.consumers.generate.engine import (
+    EngineDown,
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
@@ -331,19 +332,38 @@ def test_keepalive_connection_closed_by_idle_server_is_replaced(server: StandinH
     assert reopened == opened + 1
 
 
-def test_with_no_server_generate_waits_until_the_deadline() -> None:
+def test_with_no_server_generate_gives_up_after_the_outage_limit() -> None:
     async def run() -> None:
         async with engine(f"http://127.0.0.1:{free_port()}", give_up_after_s=0.5) as e:
             assert not await e.health() and e.capacity() == 0 and e.healthy_servers() == []
             assert not await e.wait_until_healthy(0.2)
-            started = time.monotonic()
-            with pytest.raises(EngineUnavailable, match="before the deadline"):
+            with pytest.raises(EngineDown, match="no SGLang server healthy"):
                 await e.generate(request(1))
-            assert time.monotonic() - started >= 0.5
-            with pytest.raises(EngineUnavailable):  # a per-call deadline wins
-                await e.generate(request(2), deadline=time.monotonic() + 0.1)
+            # The outage began at the first failed probe: a second request gives up at
+            # once, and a per-call outage limit wins over the engine's.
+            started = time.monotonic()
+            with pytest.raises(EngineDown):
+                await e.generate(request(2), outage_s=0.1)
+            assert time.monotonic() - started < 0.5
 
     asyncio.run(run())
+
+
+def test_a_busy_server_is_waited_out_past_the_outage_limit(server: StandinHandle) -> None:
+    """One slot, taken by a 1.5 s answer: a second request with a 0.2 s outage limit
+    waits for it rather than giving up, because the server is healthy."""
+
+    async def run() -> int:
+        async with engine(server.url, max_inflight_per_server=1) as e:
+            assert await e.wait_until_healthy(10)
+            server.fault("delay", count=1, delay_s=1.5)
+            first = asyncio.ensure_future(e.generate(request(1)))
+            await until_async(lambda: e.servers()[0].inflight == 1, what="first sent")
+            second = await e.generate(request(2), outage_s=0.2)
+            await first
+            return second.completion_tokens
+
+    assert asyncio.run(run()) > 0
 
 
 def test_credentials_in_a_server_url_never_reach_logs_or_stats(

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import queue
-import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,7 +33,6 @@ from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseLost
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import Outcome
 from regen.consumers.generate.settle import (
-    GIVE_BACK_AFTER_S,
     ChunkDeferred,
     dead_letter,
     generate_with_retry,
@@ -194,7 +192,6 @@ def _generate_all(
     spec = ctx.spec(chunk.job)
     # A requeued chunk may override some params (`regen dlq requeue --set`).
     sampling = {**spec.sampling, **chunk.sampling}
-    deadline = time.monotonic() + GIVE_BACK_AFTER_S
     requests = [
         GenerateRequest(
             rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
@@ -204,7 +201,7 @@ def _generate_all(
         for prompt in todo
     ]
     batch = ctx.runner.start_batch(
-        [generate_with_retry(ctx.runner, request, deadline) for request in requests]
+        [generate_with_retry(ctx.runner, request) for request in requests]
     )
     ctx.count_inflight(len(todo))
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once

@@ -24,6 +24,10 @@ class GenerateRequest:
     # conversation id of a `--turns all` turn), whose radix cache still holds their
     # prefix; None routes by load alone (docs/design.md, "Turns").
     affinity: str | None = None
+    # A later turn of a conversation this worker runs: it takes a freed slot before
+    # waiting first turns, so started conversations finish and no slot idles while a
+    # conversation's next turn waits (docs/design.md, "Turns").
+    next_turn: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class EngineUnavailable(EngineError):
     """
 
 
+class EngineDown(EngineUnavailable):
+    """No server the request may use has been healthy for the caller's whole `outage_s`:
+    the worker gives the chunk back so that a worker with a live server takes it. Never
+    raised because servers are busy (docs/design.md, "Timers at real lengths")."""
+
+
 class PromptRejected(EngineError):
     """A healthy engine refused this prompt (HTTP 400: too long, invalid request).
 
@@ -76,12 +86,14 @@ class Engine(Protocol):
     name: str
 
     async def generate(
-        self, request: GenerateRequest, *, deadline: float | None = None
+        self, request: GenerateRequest, *, outage_s: float | None = None
     ) -> GenerateResult:
         """Complete one prompt. Raises EngineUnavailable or PromptRejected.
 
-        `deadline` (a time.monotonic() value) bounds how long the engine may wait for a
-        server to become available; generation already running is not cut short.
+        `outage_s`: raise EngineDown once no server has been healthy for that many
+        seconds in a row (None: wait for ever). A healthy server that is busy is waited
+        out however long its slots stay full, and generation already running is never
+        cut short: at real answer lengths a full server is the normal case.
         """
         ...
 

@@ -1,18 +1,25 @@
-"""How many chunks a generate worker holds: enough to keep its engine full, no more.
+"""How many chunks a generate worker holds: enough to keep its engine's slots full, and
+no prompt more than it can start soon.
 
-A chunk's prompts finish over time and its slowest one holds it open; with a long-tailed
-spread of answer lengths most held chunks are mostly done. A fixed number of chunks
-therefore either starves the server (tails) or hoards the queue. Instead the worker
-watches its outstanding prompts (submitted, not finished) against the engine's
-capacity and moves Celery's prefetch limit: up by the chunks that cover the shortfall
-while fewer than LOW times its slots are outstanding and every allowed chunk is held,
-down one chunk at a time while more than HIGH times its slots are.
-bench/generate_utilization.py measures the result.
+A prompt a worker holds but cannot start waits in the worker, not on the queue, where
+another worker with a free slot (a faster server) could have taken it; at real answer
+lengths such a prompt waits minutes (docs/design.md, "Timers at real lengths"). So a
+worker takes a new chunk only while its outstanding prompts (submitted, not finished)
+are fewer than its engine's capacity (the in-flight limits of its healthy servers) plus
+a small slack: the prompts its slots finish within REFILL_S at the rate it measures,
+which covers a chunk's fetch, and at least MIN_SLACK. Over that it holds one chunk
+fewer than it has, so a chunk that ends is not replaced until prompts run short again.
+
+Celery's prefetch limit is the lever: kombu delivers while fewer chunks are held than
+it, so the limit is set to what is held plus the chunks that cover the shortfall, or
+one below what is held. bench/generate_utilization.py and bench/long_generations.py
+measure the result.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,25 +30,34 @@ from regen.consumers.generate.context import ChunkContext
 log = logging.getLogger("regen.generate")
 
 ADJUST_INTERVAL_S = 0.5
-# Outstanding prompts are kept between LOW and HIGH times the engine's capacity: above
-# 1, so prompts wait in the worker for each slot that frees (a chunk takes a moment to
-# arrive), and a HIGH well above LOW, so the limit does not oscillate.
-LOW, HIGH = 1.5, 3.0
+# Prompts waiting in the worker cover the slots that free over this long: a chunk
+# asked for arrives within it (one adjustment tick and a Redis round trip or two).
+REFILL_S = 2.0
+# At least this many wait, however slowly slots free (a first answer has no rate yet).
+MIN_SLACK = 2
+# And at most this many times the capacity, however fast they free.
+MAX_SLACK_RATIO = 2.0
 
 
-def chunk_limit_change(
-    outstanding: int, capacity: int, held: int, limit: int, chunk_size: int = 1
+def slack(capacity: int, prompts_per_s: float) -> int:
+    """Prompts a worker keeps waiting beyond its engine's slots."""
+    wanted = math.ceil(prompts_per_s * REFILL_S)
+    return max(MIN_SLACK, min(wanted, int(capacity * MAX_SLACK_RATIO)))
+
+
+def chunk_limit(
+    outstanding: int, capacity: int, held: int, prompts_per_s: float, chunk_size: int = 1
 ) -> int:
-    """How to move the limit on chunks held (`limit`, now holding `held`): up by the
-    chunks that cover the shortfall (a fast ramp at start), down by one."""
+    """The limit on chunks held, now holding `held` with `outstanding` prompts: more
+    while they are fewer than capacity + slack, else one fewer than held (at least 1:
+    Celery reads 0 as no limit). With no healthy server (capacity 0) nothing is taken
+    (the queue gate has stopped consumption anyway)."""
     if capacity <= 0:
-        return 0  # no healthy server: the queue gate has stopped consumption anyway
-    shortfall = capacity * LOW - outstanding
-    if shortfall > 0 and held >= limit:
-        return max(1, int(shortfall // max(chunk_size, 1)))
-    if outstanding > capacity * HIGH and limit > 1:
-        return -1
-    return 0
+        return max(1, held)
+    shortfall = capacity + slack(capacity, prompts_per_s) - outstanding
+    if shortfall > 0:
+        return held + math.ceil(shortfall / max(chunk_size, 1))
+    return max(1, held - 1)
 
 
 def make_flow_control(
@@ -60,13 +76,14 @@ def make_flow_control(
 
         def adjust(self, consumer: Any) -> None:
             qos = consumer.qos
-            step = chunk_limit_change(
-                ctx.inflight, capacity(), ctx.chunks_held, qos.value, chunk_size
+            target = chunk_limit(
+                ctx.inflight, capacity(), ctx.chunks_held, ctx.prompts.rate(), chunk_size
             )
-            if step > 0:
-                qos.increment_eventually(min(step, ceiling - qos.value))
-            elif step < 0:
-                qos.decrement_eventually()
+            target = min(target, ceiling)
+            if target > qos.value:
+                qos.increment_eventually(target - qos.value)
+            elif target < qos.value:
+                qos.decrement_eventually(qos.value - target)
             ctx.chunk_limit = qos.value
 
     return FlowControl

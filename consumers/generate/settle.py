@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import redis
@@ -16,7 +15,12 @@ from regen.common import defaults, dlq, keys, settings
 from regen.common.backoff import Backoff
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.results import GeneratedResult
-from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
+from regen.consumers.generate.engine import (
+    EngineDown,
+    EngineUnavailable,
+    GenerateRequest,
+    GenerateResult,
+)
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import EngineRunner
 
@@ -25,29 +29,32 @@ log = logging.getLogger("regen.generate")
 # Per-chunk bookkeeping outlives the chunk by this much, so a redelivery that races the
 # acknowledgement still finds which prompts are done; then it expires (flat memory).
 CHUNK_STATE_TTL_S = defaults.CHUNK_STATE_TTL_S
-# A chunk still waiting for an unavailable engine this far into the visibility timeout is
-# given back to the queue (results already handed off stay done), rather than be
-# redelivered to a second worker while this one still holds it.
+# A chunk whose engine has had no healthy server for this long in a row is given back
+# to the queue (results already handed off stay done), so a worker with a live server
+# takes it. Busy servers never count: a prompt waits for a slot however long answers
+# run, and the heartbeat renews the chunk's lease meanwhile (docs/design.md, "Timers at
+# real lengths").
 GIVE_BACK_AFTER_S = 0.75 * settings.current().visibility_timeout_s
-# Waits between tries of an unavailable engine: from ~1 s up to a minute.
+# Waits between tries of an engine that failed a request while a server is healthy
+# (bad answers): from ~1 s up to a minute.
 ENGINE_RETRY = Backoff(base_s=1.0, max_s=60.0)
 
 
 class ChunkDeferred(Exception):
-    """The engine stayed unavailable until the chunk's deadline: give the chunk back."""
+    """No server the chunk may use stayed healthy (or the engine closed): give it back."""
 
 
-async def generate_with_retry(
-    runner: EngineRunner, request: GenerateRequest, deadline: float
-) -> GenerateResult:
-    """Retry while the engine is unavailable: a dead server is not a bad prompt."""
+async def generate_with_retry(runner: EngineRunner, request: GenerateRequest) -> GenerateResult:
+    """Generate one prompt, waiting however long healthy servers stay busy; ChunkDeferred
+    once none has been healthy for GIVE_BACK_AFTER_S (a dead server is not a bad prompt,
+    and a busy one is not a dead one)."""
     failures = 0
     while True:
         try:
-            return await runner.engine.generate(request, deadline=deadline)
+            return await runner.engine.generate(request, outage_s=GIVE_BACK_AFTER_S)
+        except EngineDown as exc:
+            raise ChunkDeferred(str(exc)) from exc
         except EngineUnavailable as exc:
-            if time.monotonic() >= deadline:
-                raise ChunkDeferred(str(exc)) from exc
             log.warning(
                 "engine unavailable for %s (%s); retrying in ~%.0f s",
                 request.rid,

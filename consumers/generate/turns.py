@@ -14,7 +14,6 @@ redelivered chunk resumes is turn_state.py's.
 from __future__ import annotations
 
 import dataclasses
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -29,7 +28,6 @@ from regen.consumers.generate.engine import GenerateRequest, GenerateResult, Pro
 from regen.consumers.generate.lease import ChunkLease, LeaseLost
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.settle import (
-    GIVE_BACK_AFTER_S,
     generate_with_retry,
     generated_result,
 )
@@ -59,7 +57,6 @@ class _Conversations:
         self.sampling = {**spec.sampling, **chunk.sampling}
         self.limit = dataclasses.replace(spec, sampling=self.sampling).prompt_token_limit()
         self.chat = ctx.chat(chunk.job)
-        self.deadline = time.monotonic() + GIVE_BACK_AFTER_S
         self.running: dict[Future[GenerateResult], Turn] = {}
         self.generated = 0
         self.dead_lettered = 0
@@ -88,9 +85,11 @@ class _Conversations:
             # The turns of a conversation follow each other to one server, whose radix
             # cache holds the conversation so far (docs/design.md, "Turns").
             affinity=f"{self.chunk.job}/{turn.conversation.id}",
+            # Its conversation's earlier turn ran here: it starts before new ones.
+            next_turn=turn.index > turn.conversation.start,
         )
         runner = self.ctx.runner
-        self.running[runner.submit(generate_with_retry(runner, request, self.deadline))] = turn
+        self.running[runner.submit(generate_with_retry(runner, request))] = turn
         self.ctx.count_inflight(1)
 
     def run(self, first: list[Turn]) -> None:

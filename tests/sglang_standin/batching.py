@@ -60,6 +60,7 @@ class BatchStats:
     decoded_total: int = 0  # tokens decoded (a retracted request keeps its own)
     gen_throughput: float = 0.0
     peak_running: int = 0
+    aborted_total: int = 0  # cancelled (the client went away) before finishing
     busy_seq_s: float = 0.0
     window_tokens: int = 0
     window_start: float = field(default_factory=time.monotonic)
@@ -90,6 +91,9 @@ class BatchEngine:
             self._loop = asyncio.create_task(self._run_passes())
         try:
             await seq.done
+        except asyncio.CancelledError:
+            self.stats.aborted_total += 1
+            raise
         finally:  # a cancelled request (client gone) leaves the batch, as an abort does
             if seq in self.running:
                 self._drop(seq)

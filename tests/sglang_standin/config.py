@@ -136,6 +136,9 @@ class StandinConfig:
     skip_tokenizer_init: bool = _opt(
         False, "replies carry output_ids but no text, as SGLang with --skip-tokenizer-init"
     )
+    keep_abandoned: bool = _opt(
+        False, "keep generating an answer whose client went away (SGLang aborts it)"
+    )
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

@@ -142,6 +142,13 @@ class StandinHandle:
         result: list[dict[str, Any]] = response.json()
         return result
 
+    def slot_log(self) -> list[dict[str, Any]]:
+        """Each request's time on a slot (Scheduler.slot_log), oldest first."""
+        response = self.get("/_slot_log")
+        response.raise_for_status()
+        result: list[dict[str, Any]] = response.json()
+        return result
+
     def get(self, path: str) -> httpx.Response:
         return self._http.get(path)
 

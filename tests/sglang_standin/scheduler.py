@@ -22,6 +22,8 @@ from tests.sglang_standin.validate import Item, RequestError
 THROUGHPUT_WINDOW_S = 10.0
 # The last requests served, with what their prefix-cache match was (GET /_served).
 SERVED_KEPT = 10_000
+# The last requests that held a slot, with when and how that ended (GET /_slot_log).
+SLOT_LOG_KEPT = 100_000
 ALWAYS_COUNTED = (
     "requests_total",
     "completed",
@@ -29,6 +31,8 @@ ALWAYS_COUNTED = (
     "prompt_tokens_total",
     "cached_tokens_total",
     "connections_total",
+    "aborted_total",
+    "repeated_total",
 )
 
 
@@ -46,6 +50,14 @@ class Scheduler:
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.served: deque[dict[str, Any]] = deque(maxlen=SERVED_KEPT)
+        # Slot accounting a bench reads back (slot model): each request's time on a slot
+        # ({rid, prompt, start, end, outcome}: end None while it runs; outcome "completed" or
+        # "aborted", the client gone), and the busy time of work thrown away: answers
+        # aborted mid-way and answers to a prompt already answered (a redo).
+        self.slot_log: deque[dict[str, Any]] = deque(maxlen=SLOT_LOG_KEPT)
+        self.aborted_busy_s = 0.0
+        self.repeated_busy_s = 0.0
+        self._answered: set[int] = set()
 
     def take_fault(self) -> tuple[str, int, float] | None:
         """The next armed fault (kind, count left, delay_s), or None; counted as fault_KIND."""
@@ -107,6 +119,14 @@ class Scheduler:
                 await asyncio.sleep(delay_s)
             return self._reply(item, done, started, cached)
         await self.slots.acquire()
+        entry = {
+            "rid": item.rid,
+            "prompt": hash(tuple(item.input_ids)),  # the same in every process: ints
+            "start": time.time(),
+            "end": None,
+            "outcome": "running",
+        }
+        self.slot_log.append(entry)
         try:
             cached = self._prefill(item)
             done = self.completer.complete(item.input_ids, item.sampling)
@@ -115,9 +135,29 @@ class Scheduler:
                 seconds += len(done.output_ids) / self.config.decode_tokens_per_s
             if seconds > 0:
                 await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            self._account(entry, item, aborted=True)
+            raise
         finally:
             self.slots.release()
+        self._account(entry, item, aborted=False)
         return self._reply(item, done, started, cached)
+
+    def _account(self, entry: dict[str, Any], item: Item, *, aborted: bool) -> None:
+        """Close a request's slot-log entry; count what its slot time was wasted on."""
+        entry["end"] = time.time()
+        busy = entry["end"] - entry["start"]
+        if aborted:
+            entry["outcome"] = "aborted"
+            self.counters["aborted_total"] += 1
+            self.aborted_busy_s += busy
+            return
+        entry["outcome"] = "completed"
+        key = entry["prompt"]
+        if key in self._answered:
+            self.counters["repeated_total"] += 1
+            self.repeated_busy_s += busy
+        self._answered.add(key)
 
     def _prefill(self, item: Item) -> int:
         """Prefill: what the cache already holds (the reply's cached_tokens), then the

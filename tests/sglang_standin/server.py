@@ -58,6 +58,7 @@ class Standin(Scheduler):
         app.router.add_post("/_fault", self.set_fault)
         app.router.add_get("/_stats", self.stats)
         app.router.add_get("/_served", self.served_requests)
+        app.router.add_get("/_slot_log", self.slot_log_route)
         return app
 
     @web.middleware
@@ -186,6 +187,11 @@ class Standin(Scheduler):
         """The last requests completed, oldest first: rid, prompt and cached tokens."""
         return _json(list(self.served))
 
+    async def slot_log_route(self, request: web.Request) -> web.Response:
+        """Each request's time on a slot, oldest first: {rid, start, end, outcome} with
+        wall-clock times (end None while it runs)."""
+        return _json(list(self.slot_log))
+
     async def stats(self, request: web.Request) -> web.Response:
         now = time.time()
         batch = self.batch.stats if self.batch else None
@@ -197,6 +203,9 @@ class Standin(Scheduler):
                 "queued": self.queued,
                 "peak_running": batch.peak_running if batch else self.slots.peak_running,
                 "retracted_total": batch.retracted_total if batch else 0,
+                "aborted_total": batch.aborted_total if batch else self.counters["aborted_total"],
+                "aborted_busy_s": self.aborted_busy_s,
+                "repeated_busy_s": self.repeated_busy_s,
                 "decoded_total": batch.decoded_total if batch else 0,
                 "inflight": self.inflight,
                 "peak_inflight": self.peak_inflight,
@@ -224,7 +233,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def serve(standin: Standin, stop: asyncio.Event) -> None:
     config = standin.config
     sock = listening_socket(config.host, config.port)
-    runner = web.AppRunner(standin.app(), access_log=None, keepalive_timeout=config.keep_alive_s)
+    # SGLang aborts a request whose client disconnected (its tokenizer manager watches the
+    # connection): aiohttp's handler cancellation does the same here.
+    runner = web.AppRunner(
+        standin.app(),
+        access_log=None,
+        keepalive_timeout=config.keep_alive_s,
+        handler_cancellation=not config.keep_abandoned,
+    )
     await runner.setup()
     await web.SockSite(runner, sock, backlog=2048).start()
     host, port = sock.getsockname()[:2]

@@ -46,6 +46,7 @@ from transformers import (
 from regen.common import defaults, settings
 from regen.common.tokenizer import resolve_model
 from regen.consumers.generate.engine import (
+    EngineDown,
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
@@ -131,26 +132,27 @@ class LocalEngine:
     # --- the Engine interface (event-loop side) -----------------------------------------
 
     async def generate(
-        self, request: GenerateRequest, *, deadline: float | None = None
+        self, request: GenerateRequest, *, outage_s: float | None = None
     ) -> GenerateResult:
-        """`deadline` (time.monotonic()) bounds the wait for the model to load and for a
-        batch to take the prompt; generation that started is not cut short."""
+        """`outage_s` bounds the wait while the model is not loaded (EngineDown); once
+        it is, a prompt waits for a batch however long the engine stays busy, and
+        generation that started is not cut short."""
         loop = asyncio.get_running_loop()
         job = _Job(request, loop.create_future(), loop, time.monotonic())
         # Under the lock, no job can land behind close()'s sentinel and wait forever.
         with self._close_lock:
             if self._closed:
-                raise EngineUnavailable("the local engine is closed")
+                raise EngineDown("the local engine is closed")
             self._queue.put(job)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(asyncio.shield(job.future), remaining)
-        except asyncio.TimeoutError:
-            if not job.started:
-                raise EngineUnavailable(
-                    "the local engine did not start the prompt in time"
-                ) from None
-            return await job.future
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(job.future), outage_s)
+                except asyncio.TimeoutError:
+                    if self._loaded is None and not job.started:
+                        raise EngineDown(
+                            f"the local model was not loaded within {outage_s:.0f} s"
+                        ) from None
         finally:
             job.future.cancel()  # a no-op once settled; otherwise the worker drops the job
 

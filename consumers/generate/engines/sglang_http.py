@@ -9,6 +9,7 @@ passes again (sglang_pool).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -18,8 +19,17 @@ import orjson
 
 from regen.common import defaults
 from regen.common.backoff import Backoff
-from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, GenerateResult
-from regen.consumers.generate.engines.admission import AdmissionPolicy
+from regen.consumers.generate.engine import (
+    EngineDown,
+    EngineUnavailable,
+    GenerateRequest,
+    GenerateResult,
+)
+from regen.consumers.generate.engines.admission import (
+    AdmissionPolicy,
+    MetricsUnavailable,
+    parse_metrics,
+)
 from regen.consumers.generate.engines.sglang_admission import AdmissionPoller
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import (
@@ -43,6 +53,19 @@ HEALTH_TIMEOUT_S = 30.0
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 10.0
 MAX_BAD_ANSWERS = 5
+# A request's read timeout covers this many times the time its max_new_tokens take at
+# the server's measured per-request speed (queue wait included), and never less than
+# request_timeout_s: a timeout marks the server down and aborts the answer, so it must
+# only catch a wedged server (docs/design.md, "Timers at real lengths").
+READ_TIMEOUT_MARGIN = 4.0
+
+
+def read_timeout_s(floor_s: float, max_new_tokens: int, decode_tps: float | None) -> float:
+    """How long one attempt may go without a byte back (SGLang sends the whole reply at
+    the end): `floor_s`, or longer when `max_new_tokens` at `decode_tps` need it."""
+    if not decode_tps or max_new_tokens <= 0:
+        return floor_s
+    return max(floor_s, READ_TIMEOUT_MARGIN * max_new_tokens / decode_tps)
 
 
 class SGLangHTTPEngine:
@@ -71,12 +94,13 @@ class SGLangHTTPEngine:
         without asking the scheduler, so a wedged server passes it; /health_generate runs
         (or, under load, piggybacks on) a real one-token generation.
 
-        `give_up_after_s`: how long one generate() may wait for a usable server before
-        raising EngineUnavailable. None (the default) waits for ever: an outage is not
-        the prompt's fault (docs/design.md, "A dead server is not a bad prompt"), and
-        failing would only send the chunk round Celery's retries and burn its attempt cap.
-        A worker that gives a chunk back after a while (settle.GIVE_BACK_AFTER_S) passes
-        `deadline` instead.
+        `give_up_after_s`: how long one generate() may go with no healthy server before
+        raising EngineDown, when the caller passes no `outage_s`. None (the default)
+        waits for ever: an outage is not the prompt's fault (docs/design.md, "A dead
+        server is not a bad prompt"). Busy servers are waited out in either case.
+
+        `request_timeout_s`: the least read timeout of one attempt; a request that asks
+        for many tokens of a slow server gets longer (read_timeout_s).
 
         `admission`: `--max-inflight auto`, each server's limit steered by its /metrics
         (sglang_admission); None keeps `max_inflight_per_server` fixed.
@@ -93,6 +117,7 @@ class SGLangHTTPEngine:
         self._retry = Backoff(backoff_base_s, backoff_max_s)
         self._max_bad_answers = max_bad_answers
         self._give_up_after_s = give_up_after_s
+        self._request_timeout_s = request_timeout_s
         # A read timeout, which bounds a whole attempt because SGLang sends nothing
         # until the completion is done; total=None replaces aiohttp's default 300 s cap.
         self._timeout = aiohttp.ClientTimeout(
@@ -125,19 +150,22 @@ class SGLangHTTPEngine:
 
     # --- Engine protocol ---------------------------------------------------------------
     async def generate(
-        self, request: GenerateRequest, *, deadline: float | None = None
+        self, request: GenerateRequest, *, outage_s: float | None = None
     ) -> GenerateResult:
-        """Complete one prompt, retrying through outages; `deadline` is time.monotonic()."""
+        """Complete one prompt, retrying through outages; EngineDown once no server has
+        been healthy for `outage_s` seconds in a row."""
         self._start()
-        if deadline is None and self._give_up_after_s is not None:
-            deadline = time.monotonic() + self._give_up_after_s
+        if outage_s is None:
+            outage_s = self._give_up_after_s
         failures = bad = disconnects = 0
         while True:
             try:
-                server = await self._pool.acquire(deadline, request.affinity)
+                server = await self._pool.acquire(
+                    outage_s, request.affinity, urgent=request.next_turn
+                )
             except TimeoutError:
-                raise EngineUnavailable(
-                    f"no SGLang server usable before the deadline ({self._describe()})"
+                raise EngineDown(
+                    f"no SGLang server healthy for {outage_s:.0f} s ({self._describe()})"
                 ) from None
             # Each retry gets its own rid: the server may still be running (or only
             # now aborting) the previous attempt, and SGLang refuses a duplicate rid.
@@ -158,13 +186,14 @@ class SGLangHTTPEngine:
                         f"{bad} bad answers for rid {request.rid}; last from "
                         f"{server.label}: {failure.kind}: {failure.message}"
                     ) from None
-                await self._sleep_backoff(failures, deadline)
+                await asyncio.sleep(self._retry.delay(failures))
                 continue
             except BaseException:  # PromptRejected, or cancellation of the caller
                 self._pool.release(server, ok=False)
                 raise
             self._pool.release(server, ok=True)
             server.cache.count(result.prompt_tokens, result.cached_tokens)
+            server.note_speed(result.completion_tokens, result.latency_s)
             return result
 
     async def health(self) -> bool:
@@ -179,7 +208,9 @@ class SGLangHTTPEngine:
         return bool(self._pool.healthy())
 
     def capacity(self) -> int:
-        return sum(s.cap for s in self._pool.healthy())
+        """Requests the healthy servers start soon: each one's limit, or its running
+        slots where its /metrics show fewer (flow control holds no more than this)."""
+        return sum(s.startable() for s in self._pool.healthy())
 
     def servers(self) -> list[ServerState]:
         return list(self._pool.servers)
@@ -221,9 +252,15 @@ class SGLangHTTPEngine:
         body = {"input_ids": request.prompt_ids, "sampling_params": request.sampling, "rid": rid}
         headers = {**self._auth_headers[server], "Content-Type": "application/json"}
         started = time.monotonic()
+        max_new = int(request.sampling.get("max_new_tokens") or 0)
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self._timeout.sock_connect,
+            sock_read=read_timeout_s(self._request_timeout_s, max_new, server.decode_tps),
+        )
         try:
             async with self._session().post(
-                server.url + "/generate", data=orjson.dumps(body), headers=headers
+                server.url + "/generate", data=orjson.dumps(body), headers=headers, timeout=timeout
             ) as response:
                 status, payload = response.status, await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -266,13 +303,6 @@ class SGLangHTTPEngine:
         else:
             log.debug("retrying after %s from %s: %s", failure.kind, server.label, failure.message)
 
-    async def _sleep_backoff(self, failures: int, deadline: float | None) -> None:
-        """Exponential backoff with full jitter, so a fleet of retries does not stampede."""
-        delay = self._retry.delay(failures)
-        if deadline is not None:
-            delay = min(delay, max(0.0, deadline - time.monotonic()))
-        await asyncio.sleep(delay)
-
     async def _probe(self, server: ServerState) -> bool:
         try:
             async with self._session().get(
@@ -294,7 +324,18 @@ class SGLangHTTPEngine:
         requests and throughput over the servers, and keeps the highest token usage
         (admission.parse_metrics), so the router's one limit follows all of them. A
         server that does not answer is left out of that reading.
+
+        Each reading also tells what the server runs at once (server_slots.py), which
+        bounds what flow control counts on (capacity()).
         """
+        status, body = await self._read_metrics(server)
+        if status == 200:
+            with contextlib.suppress(MetricsUnavailable):
+                load = parse_metrics(body.decode("utf-8", errors="replace"))
+                server.slots.observe(load.running, load.queued, time.monotonic())
+        return status, body
+
+    async def _read_metrics(self, server: ServerState) -> tuple[int, bytes]:
         headers = self._auth_headers[server]
         status, body = await self._get_metrics(server.url, headers)
         if status != 404:

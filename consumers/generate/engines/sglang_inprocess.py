@@ -31,6 +31,7 @@ from typing import Any
 
 from regen.common import defaults
 from regen.consumers.generate.engine import (
+    EngineDown,
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
@@ -86,19 +87,16 @@ class SGLangInProcessEngine:
         self._closed = False
 
     async def generate(
-        self, request: GenerateRequest, *, deadline: float | None = None
+        self, request: GenerateRequest, *, outage_s: float | None = None
     ) -> GenerateResult:
-        """`deadline` (time.monotonic()) bounds the wait for a free slot; generation that
+        """Waits for a free slot however long the engine stays busy (the engine in this
+        process is up while it is open, so `outage_s` never runs out); generation that
         started is not cut short."""
         if self._closed:
-            raise EngineUnavailable("the in-process SGLang engine is closed")
+            raise EngineDown("the in-process SGLang engine is closed")
         if self._slots is None:  # created on the runner's loop, where it is awaited
             self._slots = asyncio.Semaphore(self._max_inflight)
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            await asyncio.wait_for(self._slots.acquire(), timeout)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable("no free slot in the in-process SGLang engine") from None
+        await self._slots.acquire()
         self._inflight += 1
         started = time.monotonic()
         try:

@@ -7,6 +7,12 @@ A request failure marks a server down at once, and its watcher re-probes it righ
 then with growing delays: routing never waits for a timer to find out a server died,
 and a restarted server is back within one probe.
 
+Waiting is not failing: while any server is healthy a request waits for a slot however
+long they all stay full (at real answer lengths a full server is the normal case); only
+when none has been healthy for the caller's `outage_s` in a row does `acquire` give up
+(docs/design.md, "Timers at real lengths"). A later turn of a conversation waits at the
+front, so conversations already started finish first.
+
 A request with an affinity key (a conversation's turns) goes to the server that served
 that key last, when that server is routable, because its radix cache still holds the
 prefix; when it is not (down, backing off, full) the request goes to the least loaded
@@ -32,11 +38,16 @@ from yarl import URL
 from regen.common import defaults
 from regen.common.backoff import Backoff
 from regen.consumers.generate.engines.cache_tally import CacheTally
+from regen.consumers.generate.engines.server_slots import SlotEstimate
 
 log = logging.getLogger(__name__)
 
 # Re-probe delay for a server that is down: starts here, doubles up to the interval.
 DOWN_RECHECK_MIN_S = 0.1
+# A server's per-request decode speed (tokens/s, queue wait included) is an average of
+# its replies with at least this many tokens, each weighing this much.
+SPEED_MIN_TOKENS = 16
+SPEED_WEIGHT = 0.2
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
@@ -106,6 +117,25 @@ class ServerState:
     recheck: asyncio.Event = field(default_factory=asyncio.Event)
     # Prefix-cache hits reported by this server's replies.
     cache: CacheTally = field(default_factory=CacheTally)
+    # Output tokens per second one request gets here, from its replies (None: no reply
+    # yet); sizes each request's read timeout (sglang_http.read_timeout_s).
+    decode_tps: float | None = None
+    # What it runs at once, from its /metrics (with `--max-inflight auto`).
+    slots: SlotEstimate = field(default_factory=SlotEstimate)
+
+    def note_speed(self, tokens: int, seconds: float) -> None:
+        """Fold one reply's tokens over its latency into `decode_tps`."""
+        if tokens < SPEED_MIN_TOKENS or seconds <= 0:
+            return  # a short answer's latency is mostly overhead, not decoding
+        rate = tokens / seconds
+        old = self.decode_tps
+        self.decode_tps = rate if old is None else old + SPEED_WEIGHT * (rate - old)
+
+    def startable(self) -> int:
+        """Requests it starts soon: its limit, or fewer where /metrics show it runs
+        fewer at once (server_slots.py); what flow control counts on (flow.py)."""
+        slots = self.slots.estimate()
+        return self.cap if slots is None else min(self.cap, slots)
 
     def routable(self, now: float) -> bool:
         return self.healthy and self.overload_until <= now and self.inflight < self.cap
@@ -122,6 +152,8 @@ class ServerState:
             "failures_by_kind": dict(self.failures),
             "last_error": self.last_error,
             "overloaded_for_s": max(0.0, self.overload_until - time.monotonic()),
+            "decode_tokens_per_s": self.decode_tps,
+            "startable": self.startable(),
             **self.cache.snapshot(),
         }
 
@@ -168,6 +200,9 @@ class ServerPool:
         # Affinity key -> the server that served it last, least recently used first.
         self._affinity: OrderedDict[str, ServerState] = OrderedDict()
         self._affinity_keys = affinity_keys
+        # Since when no server has been healthy (None while one is): a request gives up
+        # only once this outage has lasted its `outage_s` (outage_since()).
+        self._down_since: float | None = None
         # Requests with a key that went to its last server, and that had to go elsewhere.
         self.affinity_kept = 0
         self.affinity_moved = 0
@@ -183,10 +218,15 @@ class ServerPool:
         return [s for s in self.servers if s.healthy]
 
     # --- routing -----------------------------------------------------------------------
-    async def acquire(self, deadline: float | None, affinity: str | None = None) -> ServerState:
-        """A routable server with its slot taken; TimeoutError once `deadline` passes.
+    async def acquire(
+        self, outage_s: float | None, affinity: str | None = None, *, urgent: bool = False
+    ) -> ServerState:
+        """A routable server with its slot taken. While some server is healthy this waits
+        however long every slot stays taken; TimeoutError once no server has been healthy
+        for `outage_s` seconds in a row (None: never).
 
         With an `affinity` key: the server that served the key last, if it is routable.
+        `urgent` (a conversation's next turn) waits ahead of the others.
         """
         while True:
             now = time.monotonic()
@@ -197,13 +237,15 @@ class ServerPool:
                 server.picks += 1
                 return server
             wake = [s.overload_until for s in self.servers if s.healthy and s.overload_until > now]
-            if deadline is not None:
-                if now >= deadline:
+            down_since = self.outage_since()
+            if outage_s is not None and down_since is not None:
+                give_up = down_since + outage_s
+                if now >= give_up:
                     raise TimeoutError
-                wake.append(deadline)
-            await self._wait_for_slot(max(0.0, min(wake) - now) if wake else None)
+                wake.append(give_up)
+            await self._wait_for_slot(max(0.0, min(wake) - now) if wake else None, urgent)
 
-    async def _wait_for_slot(self, timeout: float | None) -> None:
+    async def _wait_for_slot(self, timeout: float | None, urgent: bool = False) -> None:
         """Until a slot may have freed (or anything else changed), or `timeout` passes.
 
         A waiter that times out or is cancelled stays in the queue, done; the next wake
@@ -212,7 +254,10 @@ class ServerPool:
         """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        self._slot_waiters.append(waiter)
+        if urgent:
+            self._slot_waiters.appendleft(waiter)
+        else:
+            self._slot_waiters.append(waiter)
         timer = None if timeout is None else loop.call_later(timeout, _resolve, waiter)
         try:
             await waiter
@@ -290,7 +335,18 @@ class ServerPool:
         server.failures[kind] += 1
         server.last_error = f"{kind}: {error}"
 
+    def outage_since(self) -> float | None:
+        """When the outage began (time.monotonic()): since no server has been healthy;
+        None while one is. Kept on every change of health, so it starts when the last
+        server went down, not when a request first asked."""
+        if any(s.healthy for s in self.servers):
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = time.monotonic()
+        return self._down_since
+
     def _notify(self) -> None:
+        self.outage_since()
         self._changed.set()
         self._changed = asyncio.Event()
         while self._slot_waiters:

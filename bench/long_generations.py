@@ -1,0 +1,306 @@
+"""Real answer lengths: does a busy server stay busy, and is nothing thrown away? (not a
+test; a measurement, docs/design.md "Timers at real lengths").
+
+Runs the SGLang stand-in at a real time scale (32 running slots per server, 20 ms per
+token per request, answers averaging 2,000 tokens with a lognormal long tail, so ~40 s
+each) against real `regen worker generate` processes, one per server, and prints for
+each run:
+
+- busy: the share of each server's slot time that was busy from the first request
+  until the last prompt (or turn) was started, while some prompt could have started
+  but had not (a conversation's next turn can start only once its previous turn has
+  ended): no slot idle while work waits;
+- waste: the share of busy slot time spent on answers later thrown away (aborted
+  mid-way, answered twice, or lost with a killed server);
+- aborted requests, chunks given back (deliveries that ended other than done);
+- span over ideal: from the first request to the last answer, over the useful tokens
+  at the fleet's token rate (informative only: with long-tailed lengths the last
+  answers dominate a small job's span).
+
+Runs: `last` (256 prompts, one server), `all` (128 two-turn conversations, `--turns
+all`), `two-speed` (two servers at 20 and 80 ms per token, 32 slots each, one worker
+per server), `kill` (`last`, with the server killed at 40% of the answers and restarted:
+only the requests that were on it are redone). Targets: busy >= 0.97 (>= 0.95 for
+`all`), waste <= 1%, 0 aborted, 0 given back, in `last`, `all` and `two-speed`.
+
+Each full-scale run takes ~5 minutes of wall time. `--scale 10` divides answer lengths
+by 10 (a run in well under a minute; tests/test_long_generations.py runs it).
+
+    python bench/long_generations.py [--runs last,all,two-speed,kill] [--scale 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from regen.common import jobspec, keys
+from regen.common.celery_app import make_app
+from regen.producer.enqueue import Enqueuer
+from regen.producer.spec import JobOptions, prepare_job
+from tests.generate_harness import Worker, all_generated, attempts, results
+from tests.helpers import write_jsonl
+from tests.redis_server import running_redis
+from tests.sglang_standin.process import StandinHandle, start_standin
+
+RUNS = ("last", "all", "two-speed", "kill")
+JOB = "long"
+# Room for the longest answer after a two-turn conversation's first answer.
+CONTEXT_LENGTH = 65_536
+# The delivery settings a deployment has by default (the test harness shortens them).
+DEFAULT_DELIVERY = {"REGEN_VISIBILITY_TIMEOUT": "100", "REGEN_RESTORE_INTERVAL": "10"}
+# Share of the answers handed off when the `kill` run kills its server.
+KILL_AT = 0.4
+
+
+@dataclass(frozen=True)
+class Figures:
+    run: str
+    prompts: int
+    busy: list[float]  # per server, while work waits
+    waste: float
+    aborted: int
+    given_back: int
+    span_s: float
+    ideal_s: float
+    redone: int = 0  # requests started twice (kill: those on the killed server)
+    lost_at_kill: int = 0
+
+    @property
+    def span_over_ideal(self) -> float:
+        return self.span_s / self.ideal_s if self.ideal_s else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=",".join(RUNS[:3]), help=f"of {','.join(RUNS)}")
+    parser.add_argument("--scale", type=float, default=1.0, help="divide answer lengths by")
+    parser.add_argument("--prompts", type=int, default=256, help="prompts (turns with all)")
+    parser.add_argument("--slots", type=int, default=32, help="running slots per server")
+    parser.add_argument("--ms-per-token", type=float, default=20.0)
+    parser.add_argument("--slow-ms-per-token", type=float, default=80.0, help="two-speed")
+    parser.add_argument("--mean-tokens", type=float, default=2000.0)
+    parser.add_argument("--sigma", type=float, default=0.8, help="lognormal spread")
+    parser.add_argument("--chunk-size", type=int, default=8)
+    parser.add_argument("--max-inflight", default="auto", help="the workers' --max-inflight")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    figures = [run(name, args) for name in args.runs.split(",")]
+    if args.json:
+        args.json.write_bytes(orjson.dumps([asdict(f) for f in figures]))
+
+
+def run(name: str, args: argparse.Namespace) -> Figures:
+    if name not in RUNS:
+        raise SystemExit(f"unknown run {name!r}: one of {RUNS}")
+    speeds = [args.ms_per_token, args.slow_ms_per_token] if name == "two-speed" else [
+        args.ms_per_token
+    ]  # fmt: skip
+    mean = args.mean_tokens / args.scale
+    longest = int(mean * 8)
+    dist = f"lognormal:mean={mean},sigma={args.sigma},min=1,max={longest}"
+    with tempfile.TemporaryDirectory() as tmp_name, ExitStack() as stack:
+        tmp = Path(tmp_name)
+        url = stack.enter_context(running_redis(tmp / "redis")).url
+        r = redis.Redis.from_url(url)
+        spec = enqueue(url, tmp, name, args, max_new_tokens=longest + 64)
+        servers = stack.enter_context(standins(speeds, args.slots, dist))
+        for server in servers:
+            stack.enter_context(
+                Worker(url, tmp, "--engine", "sglang", "--server", server.url,
+                       "--max-inflight", args.max_inflight, "--jobs", JOB,
+                       "--loglevel", "WARNING", env=DEFAULT_DELIVERY)
+            )  # fmt: skip
+        logs: list[list[dict[str, Any]]] = [[] for _ in servers]
+        waste_s = 0.0
+        lost = 0
+        if name == "kill":
+            waste_s, lost, logs[0] = kill_and_restart(r, spec, servers[0], args.prompts)
+        wait_done(r, spec)
+        stats = [server.stats() for server in servers]
+        for i, server in enumerate(servers):
+            logs[i] += server.slot_log()
+        figures = measure(name, r, spec, logs, stats, speeds, args, waste_s, lost)
+    report(figures, args)
+    return figures
+
+
+def enqueue(
+    url: str, tmp: Path, name: str, args: argparse.Namespace, max_new_tokens: int
+) -> jobspec.JobSpec:
+    if name == "all":  # two-turn conversations: each counts two prompts
+        rows: list[dict[str, Any]] = [
+            {"messages": [
+                {"role": "user", "content": f"Conversation {i}: describe item {i}."},
+                {"role": "assistant", "content": "(the dataset's answer)"},
+                {"role": "user", "content": f"Now compare item {i} with item {i + 1}."},
+                {"role": "assistant", "content": "(the dataset's second answer)"},
+            ]}
+            for i in range(args.prompts // 2)
+        ]  # fmt: skip
+    else:
+        rows = [
+            {"prompt": f"Long prompt {i}: explain item {i} in depth."} for i in range(args.prompts)
+        ]
+    path = write_jsonl(tmp / "rows.jsonl", rows)
+    prepared = prepare_job(
+        JobOptions(job=JOB, model="smollm2", chunk_size=args.chunk_size,
+                   max_new_tokens=max_new_tokens, context_length=CONTEXT_LENGTH,
+                   turns="all" if name == "all" else "last")
+    )  # fmt: skip
+    r = redis.Redis.from_url(url)
+    jobspec.save(r, prepared.spec)
+    Enqueuer(r, make_app(url), prepared, high_water=10_000).run([path])
+    return prepared.spec
+
+
+@contextmanager
+def standins(speeds: list[float], slots: int, dist: str) -> Iterator[list[StandinHandle]]:
+    servers = [
+        start_standin(
+            max_running_requests=slots, decode_tokens_per_s=1000.0 / ms, output_len_dist=dist,
+            context_length=CONTEXT_LENGTH,
+        )
+        for ms in speeds
+    ]  # fmt: skip
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+def wait_done(r: redis.Redis, spec: jobspec.JobSpec, timeout_s: float = 3600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all_generated(r, spec):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not done after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def kill_and_restart(
+    r: redis.Redis, spec: jobspec.JobSpec, server: StandinHandle, prompts: int
+) -> tuple[float, int, list[dict[str, Any]]]:
+    """Kill the server once KILL_AT of the answers are in, restart it; (busy seconds
+    lost with it, requests it was running, its slot log until the kill)."""
+    while r.xlen(keys.results_stream(spec.name)) < prompts * KILL_AT:
+        time.sleep(0.2)
+    log = server.slot_log()
+    killed_at = time.time()
+    server.kill()
+    running = [entry for entry in log if entry["end"] is None]
+    for entry in running:  # its answer is gone: the slot time it had is wasted
+        entry["end"], entry["outcome"] = killed_at, "lost"
+    time.sleep(3.0)
+    server.restart()
+    return sum(killed_at - e["start"] for e in running), len(running), log
+
+
+def measure(
+    name: str,
+    r: redis.Redis,
+    spec: jobspec.JobSpec,
+    logs: list[list[dict[str, Any]]],
+    stats: list[dict[str, Any]],
+    speeds: list[float],
+    args: argparse.Namespace,
+    lost_s: float,
+    lost: int,
+) -> Figures:
+    entries = [e for log in logs for e in log]
+    first = min(e["start"] for e in entries)
+    busy = busy_while_work_waits(logs, args.slots)
+    total_busy = sum(e["end"] - e["start"] for e in entries)
+    waste_s = lost_s + sum(s["aborted_busy_s"] + s["repeated_busy_s"] for s in stats)
+    chunk_ids = [raw.decode() for raw in r.hkeys(keys.job_chunks(spec.name))]
+    given_back = sum(
+        a["status"] != "done" for chunk in chunk_ids for a in attempts(r, spec.name, chunk)
+    )
+    useful = sum(res.completion_tokens for res in results(r, spec.name))
+    rate = sum(args.slots * 1000.0 / ms for ms in speeds)
+    started: dict[int, int] = {}
+    for e in entries:  # the same prompt ids: the same prompt, in any delivery or retry
+        started[e["prompt"]] = started.get(e["prompt"], 0) + 1
+    return Figures(
+        run=name,
+        prompts=args.prompts,
+        busy=busy,
+        waste=waste_s / total_busy if total_busy else 0.0,
+        aborted=sum(int(s["aborted_total"]) for s in stats),
+        given_back=given_back,
+        span_s=max(e["end"] for e in entries) - first,
+        ideal_s=useful / rate,
+        redone=sum(n - 1 for n in started.values()),
+        lost_at_kill=lost,
+    )
+
+
+def available_at(entries: list[dict[str, Any]], first: float) -> dict[int, float]:
+    """When each request could have started (by its index in `entries`): a conversation's
+    later turn once its previous turn ended, anything else from the first request on.
+    Turn rids are CHUNK-CONVERSATION-TURN-ATTEMPT, a retry's with "~N" after."""
+    turns: dict[str, dict[int, dict[str, Any]]] = {}
+    for e in entries:
+        key, turn, _ = e["rid"].split("~")[0].rsplit("-", 2)
+        if turn.isdigit() and e["outcome"] == "completed":
+            turns.setdefault(key, {})[int(turn)] = e
+    available = {}
+    for i, e in enumerate(entries):
+        key, turn, _ = e["rid"].split("~")[0].rsplit("-", 2)
+        previous = turns.get(key, {}).get(int(turn) - 1) if turn.isdigit() else None
+        available[i] = previous["end"] if previous is not None else first
+    return available
+
+
+def busy_while_work_waits(logs: list[list[dict[str, Any]]], slots: int) -> list[float]:
+    """Per server, the share of its slot time busy while some request of the job could
+    have started but had not, from the first request until the last one started."""
+    entries = [e for log in logs for e in log]
+    first = min(e["start"] for e in entries)
+    last_start = max(e["start"] for e in entries)
+    available = available_at(entries, first)
+    times = sorted({first, last_start, *(t for e in entries for t in (e["start"], e["end"])),
+                    *available.values()})  # fmt: skip
+    times = [t for t in times if first <= t <= last_start]
+    busy = [0.0 for _ in logs]
+    waited = 0.0
+    for a, b in itertools.pairwise(times):
+        mid = (a + b) / 2
+        if not any(available[i] <= mid < e["start"] for i, e in enumerate(entries)):
+            continue  # nothing could start: an idle slot wastes nothing
+        waited += b - a
+        for s, log in enumerate(logs):
+            busy[s] += (b - a) * sum(e["start"] <= mid < e["end"] for e in log)
+    return [b / (slots * waited) if waited else 1.0 for b in busy]
+
+
+def report(f: Figures, args: argparse.Namespace) -> None:
+    busy = " ".join(f"{b:.3f}" for b in f.busy)
+    target = 0.95 if f.run == "all" else 0.97
+    print(
+        f"{f.run:>9}: {f.prompts} prompts, scale 1/{args.scale:g}, chunk {args.chunk_size}, "
+        f"--max-inflight {args.max_inflight}: busy {busy} (target >= {target}), "
+        f"waste {f.waste:.2%}, aborted {f.aborted}, given back {f.given_back}, "
+        f"span {f.span_s:.0f} s over ideal {f.ideal_s:.0f} s = {f.span_over_ideal:.2f}x"
+        + (f", lost at kill {f.lost_at_kill}, redone {f.redone}" if f.run == "kill" else ""),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""How many requests an SGLang server runs at once, as its /metrics show it: what a
+worker's flow control may count on being started soon (flow.py).
+
+An in-flight limit (`--max-inflight auto` starts at 256 and sheds only as requests
+drain) can be far above a server's running slots; requests beyond them wait in the
+server's queue, and at real answer lengths they wait minutes that a faster server could
+have used (docs/design.md, "Timers at real lengths"). So while a server has a queue,
+what it runs is its slots (or what its KV cache fits): the most it ran lately with a
+queue. Before it was ever seen with a queue, it is trusted for GROWTH times the most it
+was seen running, at least START: a slow start that finds the slots within a few polls
+and overshoots them by at most half.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+START = 16
+GROWTH = 1.5
+# Readings kept: a server's slots do not change, but what its KV cache fits does.
+WINDOW_S = 60.0
+
+
+class SlotEstimate:
+    def __init__(self) -> None:
+        self._readings: deque[tuple[float, float, bool]] = deque()  # (when, running, queue?)
+
+    def observe(self, running: float, queued: float, now: float) -> None:
+        self._readings.append((now, running, queued > 0))
+        while self._readings and self._readings[0][0] < now - WINDOW_S:
+            self._readings.popleft()
+
+    def estimate(self) -> int | None:
+        """Requests the server runs at once; None before any reading (no /metrics)."""
+        if not self._readings:
+            return None
+        saturated = [running for _, running, queue in self._readings if queue]
+        if saturated:
+            return max(1, math.ceil(max(saturated)))
+        seen = max(running for _, running, _ in self._readings)
+        return max(START, math.ceil(seen * GROWTH))

@@ -1,0 +1,34 @@
+"""What a server runs at once, from its /metrics: what flow control may count on being
+started soon (consumers/generate/engines/server_slots.py)."""
+
+from __future__ import annotations
+
+from regen.consumers.generate.engines.server_slots import GROWTH, START, WINDOW_S, SlotEstimate
+from regen.consumers.generate.engines.sglang_pool import ServerState
+
+
+def test_no_reading_trusts_the_limit() -> None:
+    server = ServerState("http://a", "http://a", cap=256)
+    assert server.slots.estimate() is None and server.startable() == 256
+
+
+def test_a_slow_start_then_the_slots_a_queue_reveals() -> None:
+    server = ServerState("http://a", "http://a", cap=256)
+    server.slots.observe(0, 0, now=0.0)
+    assert server.startable() == START
+    server.slots.observe(16, 0, now=1.0)
+    assert server.startable() == int(16 * GROWTH)
+    server.slots.observe(32, 4, now=2.0)  # a queue: 32 is what it runs
+    assert server.startable() == 32
+    server.slots.observe(32, 0, now=3.0)  # a moment without a queue changes nothing
+    assert server.startable() == 32
+
+
+def test_old_readings_age_out_and_the_limit_still_bounds() -> None:
+    estimate = SlotEstimate()
+    estimate.observe(32, 10, now=0.0)
+    estimate.observe(20, 0, now=WINDOW_S + 1)  # its KV cache fits fewer now
+    assert estimate.estimate() == 30
+    server = ServerState("http://a", "http://a", cap=8)
+    server.slots.observe(32, 10, now=0.0)
+    assert server.startable() == 8
