@@ -160,3 +160,20 @@ def test_bad_entries_go_to_the_dlq_and_the_stage_goes_on(
     report = reconcile(r, spec, out / "t")
     assert report.places["done"] == 6 and report.places["dead_lettered"] == 4
     assert report.ok, report.problems
+
+
+def test_the_field_types_follow_the_result_dataclass() -> None:
+    """A field GeneratedResult lets be None is read as None (and one it does not, not):
+    the reader and the writer of results cannot drift apart."""
+    import dataclasses
+    import typing
+
+    from regen.common.results import GeneratedResult
+    from regen.consumers.tokenize.entries import FIELD_TYPES
+
+    hints = typing.get_type_hints(GeneratedResult)
+    fields = {f.name for f in dataclasses.fields(GeneratedResult)}
+    assert set(FIELD_TYPES) == fields
+    for name in fields:
+        optional = type(None) in typing.get_args(hints[name])
+        assert (type(None) in FIELD_TYPES[name]) == optional, name

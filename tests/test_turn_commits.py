@@ -50,7 +50,7 @@ class ScriptedEngine:
         self._before = before
         self.calls: list[int] = []
 
-    async def generate(self, request: GenerateRequest, deadline: float | None = None) -> Any:
+    async def generate(self, request: GenerateRequest, outage_s: float | None = None) -> Any:
         # rid: "<chunk>-<conversation>-<turn>-<attempt>"
         turn = int(request.rid.split("-")[-2])
         self.calls.append(turn)

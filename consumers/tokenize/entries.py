@@ -30,10 +30,11 @@ _LEADING_ID = re.compile(rb'\{\s*"id"\s*:\s*"([^"\\:]{1,200})"')
 
 _NONE = type(None)
 # Every GeneratedResult field with the JSON types it may hold; bool is refused where
-# an int is expected (JSON `true` is no token id).
+# an int is expected (JSON `true` is no token id). `text` is None from a server started
+# with --skip-tokenizer-init (the record decodes the ids).
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,), "job": (str,), "chunk": (str,), "prompt_ids": (list,),
-    "messages": (list,), "source": (dict,), "output_ids": (list,), "text": (str,),
+    "messages": (list,), "source": (dict,), "output_ids": (list,), "text": (str, _NONE),
     "finish_reason": (dict,), "prompt_tokens": (int,), "completion_tokens": (int,),
     "cached_tokens": (int, _NONE), "latency_s": (float, int), "server": (str,),
     "worker": (str,), "attempt": (int,), "sampling": (dict,),
