@@ -40,6 +40,8 @@ COMMITTED_OUTPUT_TOKENS = "committed_output_tokens"
 COMMITTED_SHARD_BYTES = "committed_shard_bytes"
 # Committed records with each quality flag (common/quality.py): this prefix + the flag.
 COMMITTED_FLAG_PREFIX = "committed_flag:"
+# Committed records by the SGLang version of their server: this prefix + the version.
+COMMITTED_SERVER_VERSION_PREFIX = "committed_server_version:"
 
 STAGES = ("input", "generate", "tokenize")
 

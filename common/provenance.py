@@ -122,3 +122,13 @@ def write_file(folder: Path, provenance: dict[str, Any]) -> None:
         out.flush()
         os.fsync(out.fileno())
     staging.replace(path)
+
+
+def mixed_versions(versions: dict[str, int]) -> str | None:
+    """What `regen status` and `regen verify` say when servers of more than one SGLang
+    version generated a job's committed records (a server upgraded mid-job): None
+    otherwise."""
+    if len(versions) < 2:
+        return None
+    counts = ", ".join(f"{v} ({n:,} records)" for v, n in sorted(versions.items()))
+    return f"servers of more than one SGLang version generated this job: {counts}"

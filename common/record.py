@@ -3,8 +3,8 @@
 A record (one JSON line in a shard, schema `regen.record/3`):
 
 - `schema`: "regen.record/3"; bumped whenever a field changes meaning, goes away or is
-  added. Older records stay valid: version 2 has no `flags`, version 1 no
-  `conversation_id` and `turn` either.
+  added. Older records stay valid: version 2 has no `flags` or `server_version`,
+  version 1 no `conversation_id` and `turn` either.
 - `id`: the prompt id (stable, derived from the prompt's content); unique within a job.
   With `--turns all`, the turn's id, `<conversation_id>-<turn>`.
 - `conversation_id`, `turn`: with `--turns all`, the conversation and which of its
@@ -40,7 +40,8 @@ A record (one JSON line in a shard, schema `regen.record/3`):
 - `drift`: whether re-rendering `messages` with the chat template gives ids other than
   `input_ids` (compared over `input_ids`' length); null when the check was off.
 - `drift_at`: the first index where they differ, or null.
-- `server`: the inference server that generated it; `generated_by`: the worker.
+- `server`: the inference server that generated it; `server_version`: its SGLang
+  version where it reported one (null otherwise); `generated_by`: the worker.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ _V1_FIELDS: dict[str, tuple[type, ...]] = {
     "drift_at": (int, type(None)), "server": (str,), "generated_by": (str,),
 }  # fmt: skip
 _V2_FIELDS = {**_V1_FIELDS, "conversation_id": (str, type(None)), "turn": (int, type(None))}
-RECORD_FIELDS = {**_V2_FIELDS, "flags": (list,)}
+RECORD_FIELDS = {**_V2_FIELDS, "flags": (list,), "server_version": (str, type(None))}
 # Every schema a valid record may have, with its fields: older shards stay readable.
 RECORD_SCHEMAS = {
     "regen.record/1": _V1_FIELDS,
@@ -204,6 +205,7 @@ def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
         "drift": (drift_at is not None) if ctx.drift_check else None,
         "drift_at": drift_at,
         "server": result.server,
+        "server_version": result.server_version,
         "generated_by": result.worker,
         "conversation_id": result.conversation_id,
         "turn": result.turn,

@@ -45,6 +45,8 @@ class GeneratedResult:
     turn: int | None = None
     # The OpenAI tools the prompt was rendered with; None without (and in older results).
     tools: list[dict[str, Any]] | None = None
+    # The server's SGLang version where it reported one (provenance); None otherwise.
+    server_version: str | None = None
 
     def encode(self) -> bytes:
         """The stream entry's one field value (FIELD). orjson serializes the dataclass

@@ -129,6 +129,8 @@ def _print_report(report: Reconciliation) -> None:
         click.echo(f"  {report.shards_note}")
     else:
         click.echo(f"  shards: {report.shards_read:,} files, {report.shard_ids_read:,} ids read")
+    for warning in report.warnings:
+        click.echo(f"  warning: {warning}")
     for kind, subject, detail in report.problems:
         click.echo(f"  PROBLEM {kind}: {subject}: {detail}")
     for kind, count in sorted(report.problem_counts.items()):

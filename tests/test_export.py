@@ -189,7 +189,10 @@ def test_hf_has_a_dataset_card_with_provenance(out_dir: Path, tmp_path: Path) ->
     assert "| generate | `rejected_by_server` | 2 |" in text
     assert "| chat template sha256 | `abc123` |" in text and "kimi-k2.6" in text
     assert (out / "answer_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert orjson.loads((out / "provenance.json").read_bytes()) == {"jobs": [made_by]}
+    # The job's provenance, with the SGLang versions of its records' servers (the
+    # manifests count them; these records name none).
+    with_versions = {**made_by, "server_versions": {}}
+    assert orjson.loads((out / "provenance.json").read_bytes()) == {"jobs": [with_versions]}
     # The header's config points at the same rows (what the Hub's viewer reads once the
     # folder is uploaded; datasets itself sends a save_to_disk folder to load_from_disk).
     (config,) = card.data.configs
@@ -203,7 +206,7 @@ def test_hf_has_a_dataset_card_with_provenance(out_dir: Path, tmp_path: Path) ->
     )
     export(out_dir, tmp_path / "sf.jsonl", ExportOptions(format="specforge"))
     sidecar = orjson.loads((tmp_path / "sf.jsonl.provenance.json").read_bytes())
-    assert sidecar == {"jobs": [made_by]}
+    assert sidecar == {"jobs": [with_versions]}
 
 
 def test_hf_with_every_record_dropped_loads_empty(out_dir: Path, tmp_path: Path) -> None:

@@ -444,3 +444,26 @@ def test_two_servers_share_load_and_one_dying_shifts_it_all(
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.slow
+def test_results_carry_the_servers_version_read_again_after_an_outage(tokenizer: Any) -> None:
+    """Each result names the SGLang version its server reports; a server that comes back
+    from an outage (a restart may be an upgrade) is asked again."""
+    port = free_port()
+
+    async def one(e: SGLangHTTPEngine, i: int) -> GenerateResult:
+        return await e.generate(request(i, max_new_tokens=5))
+
+    async def run() -> tuple[GenerateResult, GenerateResult]:
+        async with engine(f"http://127.0.0.1:{port}") as e:
+            with run_standin(port=port, output_len_dist=SHORT, version="0.5.6"):
+                before = await one(e, 1)
+            # Down: the engine's probes fail; then back as another version.
+            await until_async(lambda: not e.stats()["servers"][0]["healthy"], what="down")
+            with run_standin(port=port, output_len_dist=SHORT, version="0.5.23"):
+                after = await one(e, 2)
+            return before, after
+
+    before, after = asyncio.run(run())
+    assert (before.server_version, after.server_version) == ("0.5.6", "0.5.23")

@@ -53,7 +53,7 @@ def make_record(
         "sampling": {"max_new_tokens": 64}, "chat_template_kwargs": {},
         "source": {"file": "d.jsonl", "row": 0}, "drift": drift,
         "drift_at": (prompt + 1) if drift else None, "server": "s", "generated_by": "w",
-        "conversation_id": None, "turn": None, "flags": [],
+        "conversation_id": None, "turn": None, "flags": [], "server_version": None,
     }  # fmt: skip
 
 

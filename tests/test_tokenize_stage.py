@@ -308,3 +308,32 @@ def test_quality_flags_are_counted_once_per_committed_record(
     console = Console(width=200, record=True)
     console.print(job_table(status))
     assert "empty 3 (10.0%) · repetition 2 (6.7%)" in console.export_text()
+
+
+def test_a_job_served_by_two_sglang_versions_says_so(
+    r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: Path
+) -> None:
+    import dataclasses
+
+    from regen.ops.reconcile import reconcile
+
+    versions = ["0.5.6"] * 4 + ["0.5.23"] * 6
+    results = [
+        dataclasses.replace(make_result(smollm2_tokenizer, spec, i), server_version=version)
+        for i, version in enumerate(versions)
+    ]
+    push(r, results)
+    with InProcess(r, options(out), "c1"):
+        wait_for(lambda: settled(r, "t", 10), what="all results committed")
+    records = [rec for shard in shard_paths(out / "t") for rec in iter_records(shard)]
+    assert Counter(rec["server_version"] for rec in records) == {"0.5.6": 4, "0.5.23": 6}
+    manifests = Counter[str]()
+    for info in read_manifest(out / "t").shards.values():
+        manifests.update(info.server_versions)
+    assert manifests == {"0.5.6": 4, "0.5.23": 6}
+    status = job_status(r, spec, [], window_s=60)
+    assert status["committed"]["server_versions"] == {"0.5.6": 4, "0.5.23": 6}
+    warning = ("servers of more than one SGLang version generated this job: "
+               "0.5.23 (6 records), 0.5.6 (4 records)")  # fmt: skip
+    assert warning in status["flags"]
+    assert reconcile(r, spec, out / "t", read_shards=False).warnings == [warning]

@@ -47,6 +47,8 @@ class GenerateResult:
     latency_s: float = 0.0
     # Which server (URL) or device produced it; for provenance and load accounting.
     server: str = ""
+    # The server's SGLang version where it reports one (provenance).
+    server_version: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
 

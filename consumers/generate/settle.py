@@ -137,6 +137,7 @@ def generated_result(
         cached_tokens=result.cached_tokens,
         latency_s=result.latency_s,
         server=result.server,
+        server_version=result.server_version,
         worker=worker,
         attempt=attempt,
         sampling=sampling,

@@ -99,6 +99,11 @@ local function record(shard, row, group, e_first, e_last, i_first, i_last)
         redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_FLAG_PREFIX}' .. flag, n)
       end
     end
+    if type(info['server_versions']) == 'table' then
+      for version, n in pairs(info['server_versions']) do
+        redis.call('HINCRBY', KEYS[6], '{keys.COMMITTED_SERVER_VERSION_PREFIX}' .. version, n)
+      end
+    end
     local t = redis.call('TIME')
     local sample = string.format('[%s.%06d,%d,%d]', t[1], tonumber(t[2]), prompts, tokens)
     redis.call('LPUSH', KEYS[7], sample)
@@ -236,6 +241,17 @@ class CommitTotals:
     samples: list[Sample]  # taken at each shard commit, oldest first
     now: Sample  # the committed totals now
     flags: dict[str, int]  # committed records with each quality flag
+    server_versions: dict[str, int]  # committed records by their server's SGLang version
+
+
+def _prefixed(counters: dict[bytes, bytes], prefix: str) -> dict[str, int]:
+    """The counters whose field starts with `prefix`, by the rest of the field."""
+    head = prefix.encode()
+    return {
+        field[len(head) :].decode(): int(value)
+        for field, value in counters.items()
+        if field.startswith(head)
+    }
 
 
 class CommitLedger:
@@ -383,7 +399,9 @@ class CommitLedger:
         flag_fields = [keys.COMMITTED_FLAG_PREFIX + flag for flag in FLAGS]
         pipe.hmget(keys.job_counters(job), fields + flag_fields)
         pipe.time()
-        shards, raw_samples, counters, (secs, micros) = pipe.execute()
+        # The counters hash holds a few dozen fields at most: read whole for the versions.
+        pipe.hgetall(keys.job_counters(job))
+        shards, raw_samples, counters, (secs, micros), every = pipe.execute()
         prompts, tokens, shard_bytes = counters[: len(fields)]
         flagged = counters[len(fields) :]
         return CommitTotals(
@@ -392,4 +410,5 @@ class CommitLedger:
             samples=[Sample(*orjson.loads(raw)) for raw in reversed(raw_samples)],
             now=Sample(secs + micros / 1e6, int(prompts or 0), int(tokens or 0)),
             flags={flag: int(n or 0) for flag, n in zip(FLAGS, flagged, strict=True)},
+            server_versions=_prefixed(every, keys.COMMITTED_SERVER_VERSION_PREFIX),
         )

@@ -39,9 +39,16 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "cached_tokens": (int, _NONE), "latency_s": (float, int), "server": (str,),
     "worker": (str,), "attempt": (int,), "sampling": (dict,),
     "conversation_id": (str, _NONE), "turn": (int, _NONE), "tools": (list, _NONE),
+    "server_version": (str, _NONE),
 }  # fmt: skip
 # Fields older results lack (the dataclass's defaults fill them in).
-REQUIRED = frozenset(FIELD_TYPES) - {"sampling", "conversation_id", "turn", "tools"}
+REQUIRED = frozenset(FIELD_TYPES) - {
+    "sampling",
+    "conversation_id",
+    "turn",
+    "tools",
+    "server_version",
+}
 _TOKEN_LISTS = ("prompt_ids", "output_ids")
 
 

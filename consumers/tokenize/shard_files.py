@@ -145,6 +145,8 @@ class ShardInfo:
     epoch: int = 0
     # Records with each quality flag (common/quality.py); empty in older manifests.
     flags: dict[str, int] = field(default_factory=dict)
+    # Records by the SGLang version of the server that generated them (where known).
+    server_versions: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -171,6 +173,7 @@ class OpenShard:
         self.completion_tokens = 0
         self.uncompressed_bytes = 0
         self.flags: Counter[str] = Counter()
+        self.server_versions: Counter[str] = Counter()
         self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 (closed in finish/abort)
         self._hash = hashlib.sha256()
         # zstandard only calls write() and flush() on it; its stub asks for a whole IO[bytes].
@@ -188,6 +191,8 @@ class OpenShard:
         self.completion_tokens += int(record["completion_tokens"])
         self.uncompressed_bytes += len(line)
         self.flags.update(record.get("flags", ()))
+        if record.get("server_version"):
+            self.server_versions[record["server_version"]] += 1
 
     def age_s(self) -> float:
         return time.monotonic() - self.opened
@@ -210,6 +215,7 @@ class OpenShard:
             created=time.time(),
             epoch=self.epoch,
             flags=dict(self.flags),
+            server_versions=dict(self.server_versions),
         )
 
     def abort(self) -> None:
@@ -444,12 +450,15 @@ def describe(path: Path, epoch: int) -> ShardInfo:
     `epoch`: the ledger epoch to record, which the file itself does not hold."""
     rows = prompt_tokens = completion_tokens = uncompressed = 0
     flags: Counter[str] = Counter()
+    versions: Counter[str] = Counter()
     for record in iter_records(path):
         rows += 1
         prompt_tokens += int(record["prompt_tokens"])
         completion_tokens += int(record["completion_tokens"])
         uncompressed += len(orjson.dumps(record)) + 1
         flags.update(record.get("flags", ()))
+        if record.get("server_version"):
+            versions[record["server_version"]] += 1
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ShardInfo(
         shard=path.name,
@@ -462,4 +471,5 @@ def describe(path: Path, epoch: int) -> ShardInfo:
         created=path.stat().st_mtime,
         epoch=epoch,
         flags=dict(flags),
+        server_versions=dict(versions),
     )

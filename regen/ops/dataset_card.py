@@ -29,6 +29,7 @@ _PROVENANCE_ROWS = (
     ("chat template sha256", "chat_template_sha256"), ("chat template kwargs",
     "chat_template_kwargs"), ("thinking", "thinking"), ("turns", "turns"),
     ("sampling sent", "sampling"), ("sampling in effect", "effective_sampling"),
+    ("SGLang versions (records)", "server_versions"),
 )  # fmt: skip
 
 

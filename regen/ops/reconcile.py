@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 
-from regen.common import keys
+from regen.common import keys, provenance
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import behind_message
@@ -60,6 +60,8 @@ class Reconciliation:
     shards_read: int = 0
     shard_ids_read: int = 0
     shards_note: str = ""
+    # What is not a problem of accounting but worth knowing (servers' versions mixed).
+    warnings: list[str] = field(default_factory=list)
 
     def problem(self, kind: str, subject: str, detail: str) -> None:
         self.problem_counts[kind] += 1
@@ -80,7 +82,7 @@ class Reconciliation:
             "notes": dict(self.notes), "problem_counts": dict(self.problem_counts),
             "problems": [{"kind": k, "id": i, "detail": d} for k, i, d in self.problems],
             "shards_read": self.shards_read, "shard_ids_read": self.shard_ids_read,
-            "shards_note": self.shards_note,
+            "shards_note": self.shards_note, "warnings": self.warnings,
         }  # fmt: skip
 
 
@@ -195,6 +197,9 @@ def reconcile(
     job = spec.name
     ledger = CommitLedger(r, job)
     report = Reconciliation(job)
+    mixed = provenance.mixed_versions(ledger.totals().server_versions)
+    if mixed:
+        report.warnings.append(mixed)
     w = _read_window(r, ledger, spec, report)
     enqueued = _enqueued(r, job)
     report.enqueued = len(enqueued)

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys, settings
+from regen.common import defaults, jobspec, keys, provenance, settings
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger, Sample
 from regen.consumers.tokenize.disk_truth import behind_message
@@ -103,6 +103,9 @@ def job_status(
     for worker in tokenizers:
         if worker.get("paused_for_disk"):
             flags.append(f"tokenize worker {worker['name']} is paused: low disk")
+    mixed = provenance.mixed_versions(totals.server_versions)
+    if mixed:
+        flags.append(mixed)
     if counts.unplaced:
         flags.append(
             f"{counts.unplaced:+} prompt(s) in no place by these counts: "
@@ -128,6 +131,7 @@ def job_status(
         "dead_letters_without_prompt": counts.other_dead_letters,
         "committed": {
             "prompts": now.prompts, "output_tokens": now.tokens, "flagged": totals.flags,
+            "server_versions": totals.server_versions,
         },
         "rate": {
             "window_s": window_s,

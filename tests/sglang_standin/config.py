@@ -136,6 +136,7 @@ class StandinConfig:
     skip_tokenizer_init: bool = _opt(
         False, "replies carry output_ids but no text, as SGLang with --skip-tokenizer-init"
     )
+    version: str = _opt("0.5.x-standin", "the SGLang version /server_info reports")
     keep_abandoned: bool = _opt(
         False, "keep generating an answer whose client went away (SGLang aborts it)"
     )

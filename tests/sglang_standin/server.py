@@ -156,7 +156,7 @@ class Standin(Scheduler):
                 "max_running_requests": c.max_running_requests,
                 "max_queued_requests": c.max_queued_requests,
                 "trust_remote_code": c.trust_remote_code,
-                "version": "0.5.x-standin",
+                "version": c.version,
                 "frontend": "standin",
             }
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -50,6 +51,9 @@ CONNECT_TIMEOUT_S = 10.0
 HEALTH_INTERVAL_S = 10.0
 # /health_generate answers within SGLang's 20 s HEALTH_CHECK_TIMEOUT, even when wedged.
 HEALTH_TIMEOUT_S = 30.0
+# Where a server tells its SGLang version: /server_info, or its older name, which
+# SGLang's router serves.
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 10.0
 MAX_BAD_ANSWERS = 5
@@ -268,7 +272,8 @@ class SGLangHTTPEngine:
         # Requests are logged here, by label, so credentials never reach a log line.
         log.debug("HTTP Request: POST %s/generate %d", server.label, status)
         if status == 200:
-            return parse_result(payload, request, server.label, started)
+            result = parse_result(payload, request, server.label, started)
+            return dataclasses.replace(result, server_version=server.version or None)
         raise classify_error(status, payload, server.label)
 
     def _session(self) -> aiohttp.ClientSession:
@@ -311,9 +316,35 @@ class SGLangHTTPEngine:
                 timeout=self._health_timeout,
             ) as response:
                 await response.read()  # so the connection goes back to the pool
-                return response.status == 200
+                healthy = response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+            healthy = False
+        if not healthy:
+            server.version = None  # it may come back as another version
+        elif server.version is None:
+            server.version = await self._server_version(server) or ""
+        return healthy
+
+    async def _server_version(self, server: ServerState) -> str | None:
+        """SGLang's version from the server's info: /server_info, or /get_server_info
+        (its older name, which SGLang's router serves); None where neither says."""
+        for path in SERVER_INFO_PATHS:
+            try:
+                async with self._session().get(
+                    server.url + path,
+                    headers=self._auth_headers[server],
+                    timeout=self._health_timeout,
+                ) as response:
+                    body = await response.read()
+                    if response.status != 200:
+                        continue
+                info = orjson.loads(body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+                continue
+            version = info.get("version") if isinstance(info, dict) else None
+            if isinstance(version, str):
+                return version
+        return None
 
     async def read_metrics(self, server: ServerState) -> tuple[int, bytes]:
         """The server's /metrics; for SGLang's router, its servers' together.

@@ -122,6 +122,10 @@ class ServerState:
     decode_tps: float | None = None
     # What it runs at once, from its /metrics (with `--max-inflight auto`).
     slots: SlotEstimate = field(default_factory=SlotEstimate)
+    # SGLang's version as its /server_info reports it: None until read ("" where it says
+    # none), read again after each outage (a restart may be an upgrade); every result
+    # carries it, so a job served by several versions shows.
+    version: str | None = None
 
     def note_speed(self, tokens: int, seconds: float) -> None:
         """Fold one reply's tokens over its latency into `decode_tps`."""
