@@ -69,6 +69,11 @@ def job_provenance(job: str) -> str:
     return _job(job, "provenance")
 
 
+def job_refusals(job: str) -> str:
+    """Hash: worker -> why it refuses the job (its tokenizer differs: common/refusals.py)."""
+    return _job(job, "refusals")
+
+
 def job_ids(job: str, bucket: int) -> str:
     """Hash: one bucket of every prompt id ever enqueued in the job, stored id -> 1
     (common/id_buckets.py; the job spec's `id_buckets` says how many)."""

@@ -143,8 +143,12 @@ def load_job_tokenizer(spec: JobSpec) -> PreTrainedTokenizerBase:
         tokenizer=spec.tokenizer if spec.tokenizer != spec.model else None,
         trust_remote_code=spec.trust_remote_code,
     )
-    if tokenizer_fingerprint(tok) != spec.tokenizer_fingerprint:
-        raise TokenizerMismatch(f"job {spec.name}: the tokenizer here differs from the job's")
+    here = tokenizer_fingerprint(tok)
+    if here != spec.tokenizer_fingerprint:
+        raise TokenizerMismatch(
+            f"its tokenizer (or chat template) differs from the job's: fingerprint {here}, "
+            f"the job's {spec.tokenizer_fingerprint}"
+        )
     return tok
 
 

@@ -337,3 +337,30 @@ def test_a_job_served_by_two_sglang_versions_says_so(
                "0.5.23 (6 records), 0.5.6 (4 records)")  # fmt: skip
     assert warning in status["flags"]
     assert reconcile(r, spec, out / "t", read_shards=False).warnings == [warning]
+
+
+def test_a_worker_whose_template_differs_refuses_the_job_and_status_says_so(
+    r: redis.Redis, smollm2_tokenizer: Any, out: Path
+) -> None:
+    """The fingerprint covers the chat template: a host whose tokenizer renders otherwise
+    than the job's cannot change the job mid-way; it refuses it, and status and verify
+    name the worker and why."""
+    import dataclasses
+
+    from regen.common import refusals
+    from regen.ops.reconcile import reconcile
+
+    prepared = prepare_job(JobOptions(job="t", model="smollm2", max_new_tokens=64))
+    other = jobspec.save(r, dataclasses.replace(prepared.spec, tokenizer_fingerprint="0" * 16))
+    push(r, [make_result(smollm2_tokenizer, other, 1)])
+    with InProcess(r, options(out), "c1") as running:
+        wait_for(lambda: refusals.read(r, "t"), what="the refusal recorded")
+        name = running.consumer.name
+    (why,) = refusals.read(r, "t").values()
+    assert "differs from the job's" in why and "0" * 16 in why
+    expected = f"worker {name} refuses this job: {why}"
+    live = [{"name": name, "stale": False, "kind": "tokenize", "jobs": {}}]
+    assert expected in job_status(r, other, live, window_s=60)["flags"]
+    assert expected not in job_status(r, other, [], window_s=60)["flags"]  # gone: not said
+    assert expected in reconcile(r, other, out / "t", read_shards=False).warnings
+    assert not (out / "t").exists() or not list((out / "t").glob("shard-*"))

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from regen.common import defaults, jobspec
+from regen.common import defaults, jobspec, refusals
 from regen.common.heartbeat import RateMeter
+from regen.common.tokenizer import TokenizerMismatch
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
 from regen.consumers.generate.lease import LeaseBook
 from regen.consumers.generate.runner import EngineRunner
@@ -59,5 +60,9 @@ class ChunkContext:
         """The job's tokenizer and template, loaded on first use (`--turns all` jobs)."""
         with self._chat_lock:
             if job not in self._chats:
-                self._chats[job] = load_job_chat(self.spec(job))
+                try:
+                    self._chats[job] = load_job_chat(self.spec(job))
+                except TokenizerMismatch as exc:
+                    refusals.record(self.redis, job, self.worker, str(exc))
+                    raise
             return self._chats[job]

@@ -20,7 +20,7 @@ from typing import Any, cast
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys, settings
+from regen.common import defaults, jobspec, keys, refusals, settings
 from regen.common.backoff import Backoff
 from regen.common.chat_family import detect_family
 from regen.common.connection import OUTAGE_ERRORS
@@ -120,9 +120,10 @@ class TokenizeConsumer:
         spec = jobspec.load(self._r, job)
         try:
             tok = load_job_tokenizer(spec)
-        except TokenizerMismatch:
+        except TokenizerMismatch as exc:
             # Records would be checked against a different tokenizer than the prompts.
-            log.error("job %s: the tokenizer here differs from the producer's; skipping it", job)
+            log.error("job %s: %s; skipping it", job, exc)
+            refusals.record(self._r, job, self.name, str(exc))
             self._refused.add(job)
             return None
         context = RecordContext(

@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 
-from regen.common import keys, provenance
+from regen.common import keys, provenance, refusals
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import behind_message
@@ -200,6 +200,7 @@ def reconcile(
     mixed = provenance.mixed_versions(ledger.totals().server_versions)
     if mixed:
         report.warnings.append(mixed)
+    report.warnings += refusals.warnings(r, job)
     w = _read_window(r, ledger, spec, report)
     enqueued = _enqueued(r, job)
     report.enqueued = len(enqueued)

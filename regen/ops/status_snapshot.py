@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys, provenance, settings
+from regen.common import defaults, jobspec, keys, provenance, refusals, settings
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.commit import CommitLedger, Sample
 from regen.consumers.tokenize.disk_truth import behind_message
@@ -106,6 +106,7 @@ def job_status(
     mixed = provenance.mixed_versions(totals.server_versions)
     if mixed:
         flags.append(mixed)
+    flags += refusals.warnings(r, job, {w["name"] for w in live})
     if counts.unplaced:
         flags.append(
             f"{counts.unplaced:+} prompt(s) in no place by these counts: "
