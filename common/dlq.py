@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -104,6 +105,15 @@ def put(r: redis.Redis | redis.client.Pipeline, letter: DeadLetter) -> None:
 def entries(r: redis.Redis, job: str, stage: str) -> Iterator[DeadLetter]:
     for _, raw in r.hscan_iter(keys.dlq(job, stage), count=500):
         yield DeadLetter.from_json(raw)
+
+
+def reasons(r: redis.Redis, jobs: Iterable[str]) -> dict[str, Counter[str]]:
+    """The jobs' dead letters counted by stage, then reason."""
+    names = list(jobs)
+    return {
+        stage: Counter(letter.reason for job in names for letter in entries(r, job, stage))
+        for stage in keys.STAGES
+    }
 
 
 def count(r: redis.Redis, job: str, stage: str) -> int:

@@ -7,7 +7,6 @@ can reach it.
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +109,6 @@ def _reachable_redis(redis_url: str | None, without: str) -> tuple[Any, str] | N
         click.echo(f"{without}: Redis at {connection.redact(url)} unreachable ({exc})")
         return None
     return r, url
-
-
-def _dead_letters(r: Any, jobs: list[str]) -> dict[str, Counter[str]]:
-    """The jobs' dead letters by stage, then reason."""
-    from regen.common import dlq, keys
-
-    return {
-        stage: Counter(letter.reason for job in jobs for letter in dlq.entries(r, job, stage))
-        for stage in keys.STAGES
-    }
 
 
 def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
@@ -241,6 +230,7 @@ def export(
     (README.md) too, with the jobs' dead letters when their Redis is reachable."""
     # Checked by ExportOptions, which knows the formats: importing them here would load
     # pyarrow on every `regen` command.
+    from regen.common import dlq
     from regen.ops.export import ExportError, ExportOptions, select_jobs
     from regen.ops.export import export as export_records
 
@@ -260,7 +250,7 @@ def export(
             reachable = _reachable_redis(redis_url, "the dataset card counts no dead letters")
             if reachable is not None:
                 names = [job.name for job in select_jobs(directory, options.jobs)]
-                dead_letters = _dead_letters(reachable[0], names)
+                dead_letters = dlq.reasons(reachable[0], names)
         summary = export_records(
             directory, out, options, heldout_out=split_out, dead_letters=dead_letters
         )

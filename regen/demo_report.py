@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from regen.common import dlq, jobspec, keys
+from regen.common import dlq, jobspec
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.producer.job_ids import JobIds
 
@@ -38,10 +38,7 @@ def show_summary(
         "shards",
         f"{len(manifest)} in {folder} ({sum(i.compressed_bytes for i in manifest.values())} bytes)",
     )
-    letters = {
-        stage: Counter(letter.reason for letter in dlq.entries(r, spec.name, stage))
-        for stage in keys.STAGES
-    }
+    letters = dlq.reasons(r, [spec.name])
     for stage, reasons in letters.items():
         if reasons:
             table.add_row(f"DLQ {stage}", ", ".join(f"{k}: {v}" for k, v in reasons.items()))

@@ -244,13 +244,12 @@ class CommitTotals:
     server_versions: dict[str, int]  # committed records by their server's SGLang version
 
 
-def _prefixed(counters: dict[bytes, bytes], prefix: str) -> dict[str, int]:
+def _prefixed(counters: dict[str, int], prefix: str) -> dict[str, int]:
     """The counters whose field starts with `prefix`, by the rest of the field."""
-    head = prefix.encode()
     return {
-        field[len(head) :].decode(): int(value)
+        field.removeprefix(prefix): value
         for field, value in counters.items()
-        if field.startswith(head)
+        if field.startswith(prefix)
     }
 
 
@@ -395,20 +394,22 @@ class CommitLedger:
         pipe = self._r.pipeline(transaction=False)
         pipe.hlen(keys.shards(job))
         pipe.lrange(keys.job_progress(job), 0, -1)
-        fields = [keys.COMMITTED_PROMPTS, keys.COMMITTED_OUTPUT_TOKENS, keys.COMMITTED_SHARD_BYTES]
-        flag_fields = [keys.COMMITTED_FLAG_PREFIX + flag for flag in FLAGS]
-        pipe.hmget(keys.job_counters(job), fields + flag_fields)
-        pipe.time()
-        # The counters hash holds a few dozen fields at most: read whole for the versions.
+        # The counters hash holds a few dozen fields at most (the versions' among them,
+        # whose names are not known ahead): one read of all of it.
         pipe.hgetall(keys.job_counters(job))
-        shards, raw_samples, counters, (secs, micros), every = pipe.execute()
-        prompts, tokens, shard_bytes = counters[: len(fields)]
-        flagged = counters[len(fields) :]
+        pipe.time()
+        shards, raw_samples, raw_counters, (secs, micros) = pipe.execute()
+        counters = {k.decode(): int(v) for k, v in bytes_hash(raw_counters).items()}
+        flags = _prefixed(counters, keys.COMMITTED_FLAG_PREFIX)
         return CommitTotals(
             shards=shards,
-            shard_bytes=int(shard_bytes or 0),
+            shard_bytes=counters.get(keys.COMMITTED_SHARD_BYTES, 0),
             samples=[Sample(*orjson.loads(raw)) for raw in reversed(raw_samples)],
-            now=Sample(secs + micros / 1e6, int(prompts or 0), int(tokens or 0)),
-            flags={flag: int(n or 0) for flag, n in zip(FLAGS, flagged, strict=True)},
-            server_versions=_prefixed(every, keys.COMMITTED_SERVER_VERSION_PREFIX),
+            now=Sample(
+                secs + micros / 1e6,
+                counters.get(keys.COMMITTED_PROMPTS, 0),
+                counters.get(keys.COMMITTED_OUTPUT_TOKENS, 0),
+            ),
+            flags={flag: flags.get(flag, 0) for flag in FLAGS},
+            server_versions=_prefixed(counters, keys.COMMITTED_SERVER_VERSION_PREFIX),
         )
