@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import redis
 
-from regen.common import defaults, keys
+from regen.common import crashpoints, defaults, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.connection import OUTAGE_ERRORS, bytes_set
 from regen.consumers.generate import commit
@@ -181,6 +181,7 @@ def _run_chunk(
     except Exception as exc:
         lease.give_back(ctx.redis, ctx.worker, "failed", error=repr(exc))
         raise
+    crashpoints.hit(commit.BEFORE_ACK)  # every prompt settled, the chunk not acknowledged
     lease.finish(ctx.redis, ctx.worker)
     return ChunkOutcome(generated, len(done), dead_lettered)
 

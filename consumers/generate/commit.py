@@ -16,11 +16,15 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from regen.common import keys
+from regen.common import crashpoints, keys
 from regen.common.chunk import Chunk
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.lease import Checkpoint, ChunkLease, HandOff
+
+# Crash points (common/crashpoints.py): a hand-off written, its chunk not acknowledged.
+AFTER_HAND_OFF = "generate.after_hand_off"
+BEFORE_ACK = "generate.before_ack"
 
 
 def hand_off(
@@ -40,6 +44,7 @@ def hand_off(
         for result, checkpoint in zip(results, marks, strict=True)
     ]
     fresh = lease.hand_off(ctx.redis, keys.results_stream(chunk.job), batch)
+    crashpoints.hit(AFTER_HAND_OFF)
     for result, is_fresh in zip(results, fresh, strict=True):
         if is_fresh:
             ctx.tokens.add(result.completion_tokens)

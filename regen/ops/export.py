@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from regen.common import provenance
+from regen.common import crashpoints, provenance
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.common.samples import prompt_unit
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
@@ -46,6 +46,8 @@ from regen.ops.shards_inspect import job_folders
 __all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
 
 EXPORT_FORMATS = tuple(FORMATS)
+# Where a crash test kills an export: every row written, no file in place yet.
+CRASHPOINT = "export.before_commit"
 # speculators' prepare_data.py picks its loader by the --data path's suffix.
 _SPECULATORS_SUFFIXES = (".jsonl", ".json")
 
@@ -183,6 +185,7 @@ def export(
                     summary.held_out += 1
                 else:
                     summary.written += 1
+        crashpoints.hit(CRASHPOINT)
         for sink in sinks:
             sink.commit()
         _describe(options, summary, paths, jobs, dead_letters)

@@ -1,0 +1,1 @@
+"""A randomized fault harness: see run.py and README (Chaos runs)."""

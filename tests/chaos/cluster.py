@@ -1,0 +1,182 @@
+"""The processes of one chaos run: a Redis that can be killed, restarted and rolled back,
+and the generate and tokenize workers, kept running as a supervisor would.
+
+The supervisor restarts a worker that died, as compose's `restart: on-failure` and
+systemd do; a worker that exits 0 while the job runs is never restarted by them, so it
+is recorded as a violation (a fault must end a worker non-zero, or not at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from tests.generate_harness import Worker
+from tests.redis_server import RedisServer, free_port
+
+# Leases shortened from 100 s (chunks) and 60 s (shard claims) so that a frozen or dead
+# worker's work comes back within a seed; each is renewed four times a lease.
+CHUNK_LEASE_S = 4
+SHARD_LEASE_S = 4
+RESTART_DELAY_S = 0.3
+
+# A copy of every key, taken in one step (a script runs alone), as a backup or a lagging
+# replica holds it.
+_DUMP_ALL = """
+local out = {}
+for _, key in ipairs(redis.call('KEYS', '*')) do
+  out[#out + 1] = key
+  out[#out + 1] = redis.call('DUMP', key)
+end
+return out
+"""
+
+
+class Redis:
+    """A redis-server on its own port and folder, append-only with an fsync per write."""
+
+    def __init__(self, folder: Path) -> None:
+        self.server = RedisServer(data_dir=folder, port=free_port()).start()
+        self.url = self.server.url
+        self.client = redis.Redis.from_url(self.url)
+
+    def kill_and_restart(self, down_s: float) -> None:
+        """SIGKILL, then start again on the same port from the same append-only file."""
+        self.server.kill()
+        time.sleep(down_s)
+        self.server.start()
+
+    def copy(self) -> dict[bytes, bytes]:
+        flat = self.client.eval(_DUMP_ALL, 0)
+        return dict(zip(flat[::2], flat[1::2], strict=True))
+
+    def restore(self, copy: dict[bytes, bytes]) -> None:
+        """Put the copy back, in one transaction, under the running workers."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.flushall()
+        for key, value in copy.items():
+            pipe.restore(key, 0, value)
+        pipe.execute()
+
+    def stop(self) -> None:
+        self.server.kill()
+        shutil.rmtree(self.server.data_dir, ignore_errors=True)
+
+
+@dataclass
+class Slot:
+    """One worker place: the process now in it, and what the ones before it did."""
+
+    kind: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    crashpoint: str | None = None
+    worker: Worker | None = None
+    exits: list[int] = field(default_factory=list)
+    died_at: float | None = None
+
+
+class Workers:
+    def __init__(self, url: str, log_dir: Path) -> None:
+        self.url = url
+        self.log_dir = log_dir
+        self.slots: list[Slot] = []
+        self.violations: list[str] = []
+        self.frozen: dict[int, float] = {}  # pid -> when to SIGCONT it
+
+    def add(
+        self, kind: str, args: tuple[str, ...], env: dict[str, str], crashpoint: str | None
+    ) -> None:
+        slot = Slot(kind, args, env, crashpoint)
+        self.slots.append(slot)
+        self._start(slot)
+
+    def _start(self, slot: Slot) -> None:
+        env = dict(slot.env)
+        if slot.crashpoint is not None:
+            env["REGEN_CRASHPOINT"] = slot.crashpoint
+            slot.crashpoint = None  # the next process runs through
+        slot.worker = Worker(self.url, self.log_dir, *slot.args, env=env, kind=slot.kind)
+        slot.died_at = None
+
+    def of_kind(self, kind: str) -> list[Slot]:
+        return [slot for slot in self.slots if slot.kind == kind]
+
+    def supervise(self) -> None:
+        """Restart what died; resume what was frozen long enough. Call it often."""
+        now = time.monotonic()
+        for pid, until in list(self.frozen.items()):
+            if now >= until:
+                self._signal_pid_group(pid, signal.SIGCONT)
+                del self.frozen[pid]
+        for slot in self.slots:
+            assert slot.worker is not None
+            code = slot.worker.process.poll()
+            if code is None:
+                continue
+            if slot.died_at is None:
+                slot.died_at = now
+                slot.exits.append(code)
+                if code == 0:
+                    self.violations.append(
+                        f"{slot.worker.name} exited 0 while the job ran: a supervisor that "
+                        "restarts on failure would leave it down"
+                    )
+            if now - slot.died_at >= RESTART_DELAY_S:
+                self._start(slot)
+
+    def kill(self, kind: str, target: int) -> str | None:
+        slot = self._pick(kind, target)
+        if slot is None or slot.worker is None:
+            return None
+        slot.worker.kill()
+        return slot.worker.name
+
+    def freeze(self, kind: str, target: int, for_s: float) -> str | None:
+        slot = self._pick(kind, target)
+        if slot is None or slot.worker is None or slot.worker.process.poll() is not None:
+            return None
+        pid = slot.worker.process.pid
+        if pid in self.frozen:
+            return None
+        self._signal_pid_group(pid, signal.SIGSTOP)
+        self.frozen[pid] = time.monotonic() + for_s
+        return slot.worker.name
+
+    def _pick(self, kind: str, target: int) -> Slot | None:
+        slots = self.of_kind(kind)
+        return slots[target % len(slots)] if slots else None
+
+    @staticmethod
+    def _signal_pid_group(pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+
+    def restarts(self) -> int:
+        return sum(len(slot.exits) for slot in self.slots)
+
+    def stop(self) -> None:
+        for pid in list(self.frozen):
+            self._signal_pid_group(pid, signal.SIGCONT)
+        self.frozen.clear()
+        for slot in self.slots:
+            if slot.worker is None:
+                continue
+            slot.worker.stop()
+
+    def logs(self, n_chars: int = 3000) -> str:
+        parts = []
+        for slot in self.slots:
+            if slot.worker is not None:
+                parts.append(
+                    f"--- {slot.worker.name} ({slot.kind}), exits {slot.exits}\n"
+                    f"{slot.worker.log()[-n_chars:]}"
+                )
+        return "\n".join(parts)
