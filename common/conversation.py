@@ -18,9 +18,14 @@ conversation from it (regen/ops/requeue.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import redis
+from redis.typing import EncodableT, FieldT
+
+from regen.common import defaults, keys
 from regen.common.dlq import DeadLetter
 
 # The DLQ reason of a turn that waits behind an earlier turn of its conversation.
@@ -78,3 +83,29 @@ def blocked_letters(letter: DeadLetter, conversation: Conversation, turn: int) -
         )
         for blocked in conversation.turn_ids(turn + 1)
     ]
+
+
+def checkpoint_settled(
+    pipe: redis.client.Pipeline,
+    job: str,
+    chunk_id: str,
+    conversation_id: str,
+    settled: list[str],
+    answers: Mapping[str, bytes] | None,
+) -> None:
+    """Write where a conversation of a chunk stands, as the hand-offs of its `settled`
+    turns would have: their ids marked generated in the chunk and their `answers` (turn
+    -> answer JSON) in its checkpoint, both expiring with the chunk's state; answers None:
+    the conversation is settled whole, its checkpoint dropped. A delivery of the chunk
+    then resumes it after them (consumers/generate/turn_state.py). For what Redis lost:
+    `regen recover` (a chunk it still holds) and the job's enqueue (one it lost)."""
+    generated = keys.chunk_generated(job, chunk_id)
+    pipe.sadd(generated, *settled)
+    pipe.expire(generated, defaults.CHUNK_STATE_TTL_S)
+    checkpoint = keys.conversation_answers(job, chunk_id, conversation_id)
+    if answers is None:
+        pipe.delete(checkpoint)
+        return
+    mapping: dict[FieldT, EncodableT] = {turn: answer for turn, answer in answers.items()}
+    pipe.hset(checkpoint, mapping=mapping)
+    pipe.expire(checkpoint, defaults.CHUNK_STATE_TTL_S)

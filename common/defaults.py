@@ -57,6 +57,13 @@ UNACKED_RESTORE_THROTTLE = 1
 # A chunk's attempts and settled prompts are kept this long after its last renewal, so
 # a redelivery still finds which prompts are done; then they expire (flat memory).
 CHUNK_STATE_TTL_S = 8 * 3600
+# The answers `regen recover` saves of committed turns whose conversation Redis lost
+# (`keys.recovered_answers`) wait this long for the job's enqueue to resume those
+# conversations: long, since the operator runs that enqueue when they can, and a
+# conversation whose answers expired first cannot resume (its open turns are
+# dead-lettered `history_lost`); not forever, since an enqueue never run again would
+# leave them in Redis for good.
+RECOVERED_ANSWERS_TTL_S = 7 * 24 * 3600
 # Most chunks a generate worker holds at once (its threads); within that, flow control
 # holds as many as keep its engine full (consumers/generate/flow.py).
 MAX_CHUNKS_HELD = 64

@@ -126,6 +126,15 @@ def conversation_answers(job: str, chunk_id: str, conversation_id: str) -> str:
     return _job(job, f"chunk:{chunk_id}:conversation:{conversation_id}:answers")
 
 
+def recovered_answers(job: str) -> str:
+    """Hash: turn id -> JSON of its answer (the assistant message its record ends with),
+    for committed turns of conversations Redis lost whole (`--turns all`): written by
+    `regen recover` from the shards, read by the job's enqueue to resume each such
+    conversation after its committed turns, which drops a conversation's fields once it
+    is in a chunk again (producer/lost_turns.py). Expires: defaults.RECOVERED_ANSWERS_TTL_S."""
+    return _job(job, "recovered_answers")
+
+
 def results_stream(job: str) -> str:
     """Stream: one entry per generated result, consumed by the tokenize stage."""
     return _job(job, "results")

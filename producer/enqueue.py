@@ -9,7 +9,9 @@ restored from an older copy while it ran) sends it back to read the file again f
 the cursor Redis has: the chunks the copy lost are published again.
 
 With `--turns all` a row becomes a conversation (producer/conversations.py): its first
-turn is rendered and checked here, and every turn's id enters the job with its chunk.
+turn is rendered and checked here, and every turn's id enters the job with its chunk. A
+conversation Redis lost while the shards hold its first turns resumes after them
+(producer/lost_turns.py).
 With `--samples K` each prompt becomes K prompts, rendered once and published as one
 chunk per sample index with that sample's seed (common/samples.py); the file's cursor
 moves with the last of them, so a crash in between re-reads the rows and publishes
@@ -37,6 +39,7 @@ from regen.common.queues import waiting_chunks
 from regen.common.samples import SEED_PARAM, sample_id, sample_seed
 from regen.producer.conversations import job_prompt
 from regen.producer.job_ids import JobIds
+from regen.producer.lost_turns import LostTurns, history_lost_letters
 from regen.producer.publish import ChunkPublisher, CursorBehind
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.rows import BadRow, Prompt, Reason
@@ -60,6 +63,9 @@ class EnqueueStats:
     # Prompts already committed or dead-lettered though not among the job's ids (Redis
     # lost them and `regen recover` rebuilt the ledger): recorded as enqueued, not queued.
     already_settled: int = 0
+    # Conversations Redis lost while shards hold their first turns, published again to
+    # resume after those turns (producer/lost_turns.py).
+    conversations_resumed: int = 0
     waiting: int = 0
     high_water: int = 0
     throttled: bool = False
@@ -113,6 +119,7 @@ class Enqueuer:
         self._publisher = ChunkPublisher(app, r, self._spec)
         self._committed = committed_index(r, self._spec.name)
         self._ids = JobIds(r, self._spec.name)
+        self._lost = LostTurns(r, self._spec.name)
         self._high_water = high_water
         self._on_progress = on_progress
         self._token_limit = self._spec.prompt_token_limit()
@@ -244,6 +251,7 @@ class Enqueuer:
             self._publish(chunk_prompts, sampling, {fingerprint: last_row} if last else {})
         if not groups:
             self._save_cursors({fingerprint: last_row})
+        self._lost.clear()
 
     def _render_all(self, fresh: list[_Pending]) -> list[ChunkPrompt | None]:
         """Each prompt rendered, or dead-lettered (None). The samples of one prompt share
@@ -276,13 +284,16 @@ class Enqueuer:
             self._wait_for_room()
             ids = [pid for p in prompts for pid in p.accounted_ids]
             chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts, sampling)
+            resumed = self._lost.checkpoint(chunk.chunk_id, prompts)
             outcome = self._publisher.publish(
                 chunk.chunk_id, chunk.to_payload(), ids, cursors, behind=self._cursor_at
             )
             if outcome.published or not outcome.already_enqueued:
+                self._lost.published(resumed)
                 if outcome.published:
                     self.stats.enqueued += len(ids)
                     self.stats.chunks += 1
+                    self.stats.conversations_resumed += len(resumed)
                     self._cursor_at.update(cursors)
                 else:  # this exact chunk was published before: its prompts are in
                     self.stats.duplicates += len(ids)
@@ -307,7 +318,11 @@ class Enqueuer:
             return []
         ids = [item.id for item in buffer]
         known = self._ids.contains(ids)
-        settled = self._settled([pid for pid, is_in in zip(ids, known, strict=True) if not is_in])
+        unknown: dict[str, _Pending] = {}
+        for item, pid, is_known in zip(buffer, ids, known, strict=True):
+            if not is_known:
+                unknown.setdefault(pid, item)
+        settled, dropped = self._settled(list(unknown.values()))
         seen: set[str] = set()
         fresh = []
         for item, pid, is_known in zip(buffer, ids, known, strict=True):
@@ -315,23 +330,70 @@ class Enqueuer:
                 self.stats.duplicates += 1
             elif pid in settled:
                 self.stats.already_settled += 1
-            else:
+            elif pid not in dropped:
                 fresh.append(item)
             seen.add(pid)
         return fresh
 
-    def _settled(self, ids: list[str]) -> set[str]:
-        """Of ids not in the job's id set, those committed to a shard or dead-lettered
-        (after `regen recover`); they are put back into the job's ids, so every place
-        they are in counts them, and are not queued again."""
+    def _settled(self, items: list[_Pending]) -> tuple[set[str], set[str]]:
+        """Of prompts not in the job's ids: the ids of those settled, every turn committed
+        to a shard or dead-lettered (after `regen recover`), put back into the job's ids
+        so every place they are in counts them, and not queued again; and the ids of
+        conversations not queued for another reason. A conversation whose first turns
+        are settled and the others in no place (Redis lost its chunk) resumes after them,
+        or, without their answers, has its open turns dead-lettered (lost_turns.py)."""
+        whole: list[_Pending] = []
+        lost: list[tuple[_Pending, Conversation, list[bool]]] = []
+        for item, flags in zip(items, self._turns_settled(items), strict=True):
+            if all(flags):
+                whole.append(item)
+            elif flags[0] and item.conversation is not None:  # a prompt alone: all or none
+                lost.append((item, item.conversation, flags))
+        self._ids.add([tid for item in whole for tid in _turn_ids(item)])
+        self._lost.forget([tid for item in whole if item.conversation for tid in _turn_ids(item)])
+        return {item.id for item in whole}, self._refuse_unresumable(lost)
+
+    def _turns_settled(self, items: list[_Pending]) -> list[list[bool]]:
+        """Whether each turn of each prompt (a prompt: its one id) is settled; the later
+        turns of a conversation are looked up only when its first is settled."""
+        firsts = self._is_settled([item.id for item in items])
+        later = [
+            _turn_ids(item)[1:] if first else [] for item, first in zip(items, firsts, strict=True)
+        ]
+        flags = iter(self._is_settled([tid for ids in later for tid in ids]))
+        pairs = zip(firsts, later, strict=True)
+        return [[first, *(next(flags) for _ in ids)] for first, ids in pairs]
+
+    def _is_settled(self, ids: list[str]) -> list[bool]:
+        """Whether each id is committed to a shard (or claimed) or dead-lettered."""
         committed = self._committed.get(ids)
         dead = dlq.dead_lettered(self._r, self._spec.name, ids)
-        settled = [
-            pid for pid, shard, is_dead in zip(ids, committed, dead, strict=True)
-            if shard is not None or is_dead
-        ]  # fmt: skip
-        self._ids.add(settled)
-        return set(settled)
+        pairs = zip(committed, dead, strict=True)
+        return [shard is not None or is_dead for shard, is_dead in pairs]
+
+    def _refuse_unresumable(
+        self, lost: list[tuple[_Pending, Conversation, list[bool]]]
+    ) -> set[str]:
+        """Of conversations Redis lost whose first turns are settled, those that can
+        resume stay to be published; the others' open turns are dead-lettered. Returns
+        the ids of the conversations not to queue."""
+        if not lost:
+            return set()
+        resumable = self._lost.resume([(conversation, flags) for _, conversation, flags in lost])
+        stuck = [each for each, ok in zip(lost, resumable, strict=True) if not ok]
+        # Another producer may have resumed one meanwhile, dropping its answers.
+        again = self._ids.contains([item.id for item, _, _ in stuck])
+        dropped: set[str] = set()
+        for (item, conversation, flags), is_in in zip(stuck, again, strict=True):
+            dropped.add(item.id)
+            if is_in:
+                self.stats.duplicates += 1
+                continue
+            letters = history_lost_letters(self._spec.name, conversation, flags, item.source)
+            self._put_letters(letters, conversation.turn_ids())
+            self._lost.forget(conversation.turn_ids())
+            self._count_rejected(Reason.HISTORY_LOST)
+        return dropped
 
     def _render(self, item: _Pending) -> ChunkPrompt | None:
         messages, tools = item.prompt.messages, item.prompt.tools
@@ -402,12 +464,17 @@ class Enqueuer:
         letters = [letter]
         if item.conversation is not None:
             letters += blocked_letters(letter, item.conversation, 0)
+        self._put_letters(letters, [each.entry_id for each in letters])
+        self._count_rejected(reason)
+
+    def _put_letters(self, letters: list[dlq.DeadLetter], ids: list[str]) -> None:
+        """Dead-letter prompts, with `ids` (theirs, and any others of their conversation)
+        recorded in the job's ids in the same transaction."""
         pipe = self._r.pipeline()
-        self._ids.add([each.entry_id for each in letters], pipe)
+        self._ids.add(ids, pipe)
         for each in letters:
             dlq.put(pipe, each)
         pipe.execute()
-        self._count_rejected(reason)
 
     def _wait_for_room(self) -> None:
         """Backpressure: block while the job's window in Redis is full."""
@@ -418,6 +485,11 @@ class Enqueuer:
                 return
             self._on_progress(self.stats)
             time.sleep(BACKPRESSURE_POLL_S)
+
+
+def _turn_ids(item: _Pending) -> list[str]:
+    """The ids a prompt accounts for: a conversation's turns, else its own."""
+    return [item.id] if item.conversation is None else item.conversation.turn_ids()
 
 
 def reread_from_start(r: redis.Redis, job: str) -> int:

@@ -67,6 +67,9 @@ def summary(stats: EnqueueStats, job: str) -> str:
     lines = [f"job {job}: {_line(stats)}"]
     if stats.already_settled:
         lines.append(f"  in a shard or a DLQ, Redis had lost them: {stats.already_settled}")
+    if stats.conversations_resumed:
+        lines.append(f"  conversations Redis had lost, resumed after their committed turns: "
+                     f"{stats.conversations_resumed}")  # fmt: skip
     for reason, count in sorted(stats.rejected_by_reason.items()):
         lines.append(f"  rejected {reason}: {count}")
     return "\n".join(lines)

@@ -75,6 +75,9 @@ class Reason(ReasonCode):
     PROMPT_TOO_LONG = "prompt_too_long"
     # Refused by its size in bytes before tokenizing (`--max-row-bytes`).
     ROW_TOO_LARGE = "row_too_large"
+    # A turn of a conversation Redis lost whose earlier turns are in shards without their
+    # answers saved (`regen recover` saves them; producer/lost_turns.py).
+    HISTORY_LOST = "history_lost"
     # A later turn of a conversation (`--turns all`) whose first turn was refused.
     BLOCKED = BLOCKED
 

@@ -78,6 +78,10 @@ def _print(report: Recovery) -> None:
                    f"{report.conversations_resumed} conversation(s) in the chunks Redis holds "
                    "marked generated, their answers checkpointed from the shards: the "
                    "conversations resume after them")  # fmt: skip
+    if report.answers_saved:
+        click.echo(f"  answers of {report.answers_saved} committed turn(s) of "
+                   f"{report.conversations_saved} conversation(s) whose chunk Redis lost saved: "
+                   "the job's enqueue resumes those conversations after them")  # fmt: skip
     click.echo(f"  enqueue cursors dropped ({report.cursors_dropped}): run the job's "
                "`regen enqueue` command again; it re-reads every file and queues only the "
                "prompts with no record and no dead letter")  # fmt: skip

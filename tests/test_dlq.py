@@ -116,7 +116,8 @@ def test_reason_codes_are_the_strings_stored_in_redis(r: redis.Redis) -> None:
         "invalid_json", "undecodable", "corrupt_file", "not_an_object", "unknown_shape",
         "wrong_type", "unsupported_role", "unsupported_content", "empty_content",
         "no_user_turn", "bad_order", "bad_tools", "bad_tool_call", "bad_tool_arguments",
-        "tool_without_call", "template_error", "prompt_too_long", "row_too_large", "blocked",
+        "tool_without_call", "template_error", "prompt_too_long", "row_too_large",
+        "history_lost", "blocked",
     ]  # fmt: skip
     assert [code.value for code in GenerateReason] == [
         "rejected_by_server", "poison_chunk", "not_json", "not_a_task_message",

@@ -17,12 +17,14 @@ from regen.cli_plan import plan
 from regen.common import dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.common.conversation import turn_id
+from regen.common.conversation import Conversation, turn_id
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import load_job_chat
-from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn
+from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn, resume
+from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.shard_files import ShardInfo
 from regen.ops.accounting import count_places
 from regen.producer.conversations import split_turns
 from regen.producer.rows import BadRow, to_prompt
@@ -183,6 +185,67 @@ def test_a_poison_chunk_dead_letters_each_conversation_at_its_open_turn(
     resumed = Chunk.from_payload(queued_chunks(r, spec.queue)[-1]).prompts[0]
     assert resumed.conversation == prompt.conversation.from_turn(1)
     assert resumed.accounted_ids == ids[1:] and resumed.messages == poisoned.payload["messages"]
+
+
+def _lost_conversation(redis_url: str, r: redis.Redis, tmp_path: Path) -> Conversation:
+    """ROW's conversation as Redis restored from a copy holding the job's spec only, then
+    `regen recover` would leave it: its first turn committed to a shard."""
+    enqueue(redis_url, [], turns="all")  # the job's spec, no row yet
+    _, conversation = split_turns(to_prompt(ROW))
+    first = conversation.turn_ids()[:1]
+    shard = ShardInfo("shard-000001.jsonl.zst", 1, 10, 5, 100, 50, "0" * 64, 0.0, epoch=1)
+    CommitLedger(r, "j").restore(shard.shard, shard.to_json(), first, first)
+    return conversation
+
+
+def test_a_conversation_redis_lost_resumes_after_its_committed_turn(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    conversation = _lost_conversation(redis_url, r, tmp_path)
+    ids = conversation.turn_ids()
+    answer = {"role": "assistant", "content": "Mars.", "reasoning_content": "Hm."}
+    r.hset(keys.recovered_answers("j"), ids[0], orjson.dumps(answer))  # saved by recover
+
+    stats = enqueue(redis_url, [write_jsonl(tmp_path / "d.jsonl", [ROW])], turns="all")
+    assert (stats.conversations_resumed, stats.already_settled, stats.rejected) == (1, 0, 0)
+    assert job_ids(r, "j") == set(ids) and not r.exists(keys.recovered_answers("j"))
+    spec = jobspec.load(r, "j")
+    (payload,) = queued_chunks(r, spec.queue)
+    chunk = Chunk.from_payload(payload)
+    (prompt,) = chunk.prompts
+    assert prompt.conversation == conversation and prompt.accounted_ids == ids  # whole
+    generated = keys.chunk_generated("j", chunk.chunk_id)
+    assert r.smembers(generated) == {ids[0].encode()} and r.ttl(generated) > 0
+    # The worker resumes it at its second turn, on the committed turn's answer.
+    turn = resume(r, chunk, prompt, {ids[0]})
+    assert turn is not None and turn.index == 1 and turn.prompt.id == ids[1]
+    assert turn.prompt.messages == [SYSTEM, USER_TURNS[0], answer, USER_TURNS[1]]
+    places = count_places(r, spec)
+    assert (places.total, places.done, places.waiting, places.unplaced) == (3, 1, 2, 0)
+
+    again = enqueue(redis_url, [tmp_path / "d.jsonl"], turns="all")
+    assert again.enqueued == 0 and again.conversations_resumed == 0
+
+
+def test_a_conversation_redis_lost_without_its_answers_is_dead_lettered_at_its_open_turn(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """`regen recover` not run (or its saved answers expired): the conversation cannot
+    resume, and its open turns are accounted for in the input DLQ."""
+    conversation = _lost_conversation(redis_url, r, tmp_path)
+    ids = conversation.turn_ids()
+    stats = enqueue(redis_url, [write_jsonl(tmp_path / "d.jsonl", [ROW])], turns="all")
+    assert stats.enqueued == 0 and stats.rejected_by_reason == {"history_lost": 1}
+    spec = jobspec.load(r, "j")
+    assert queued_chunks(r, spec.queue) == [] and job_ids(r, "j") == set(ids)
+    letters = {letter.entry_id: letter for letter in dlq.entries(r, "j", "input")}
+    assert set(letters) == set(ids[1:])
+    lost = letters[ids[1]]
+    assert lost.reason == "history_lost" and lost.payload == {"settled": ids[:1]}
+    assert ids[0] in lost.message and "regen recover --job j --out OUT" in lost.message
+    assert letters[ids[2]].reason == "blocked" and letters[ids[2]].payload == {"blocked_by": ids[1]}
+    places = count_places(r, spec)
+    assert (places.total, places.done, places.dead_lettered, places.unplaced) == (3, 1, 2, 0)
 
 
 @pytest.mark.parametrize("preserve_thinking", [False, True])

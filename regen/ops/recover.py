@@ -11,7 +11,9 @@ every name on disk, the epoch is raised, and the job's enqueue cursors are dropp
 that the job's own `regen enqueue` re-reads its files from the first row, skipping ids
 that are enqueued, committed or dead-lettered: it queues exactly the prompts Redis lost
 with no record. With `--turns all`, the conversations of the chunks Redis still holds
-resume after the turns the shards hold, on those turns' answers (recover_turns).
+resume after the turns the shards hold, on those turns' answers, and the answers of the
+committed turns of conversations Redis lost whole are saved for that enqueue, which
+resumes them the same way (recover_turns).
 
 It only adds what the disk proves, so it is safe to run on a healthy job, and again.
 Memory holds one shard's ids at a time.
@@ -38,7 +40,7 @@ from regen.consumers.tokenize.shard_files import (
     shard_paths,
 )
 from regen.ops.reconcile_shards import batches
-from regen.ops.recover_turns import resume_after_shards
+from regen.ops.recover_turns import LostAnswers, resume_after_shards
 from regen.producer.enqueue import reread_from_start
 
 
@@ -65,6 +67,11 @@ class Recovery:
     # flight, with their answers checkpointed (recover_turns), and their conversations.
     turns_resumed: int = 0
     conversations_resumed: int = 0
+    # `--turns all`: committed turns of conversations Redis lost whole (their first turn
+    # not in the job's ids), their answers saved for the job's enqueue
+    # (recover_turns.LostAnswers), and those conversations.
+    answers_saved: int = 0
+    conversations_saved: int = 0
     # Problems on disk that recovery cannot mend: (id, shard kept, other shard).
     duplicates: list[tuple[str, str, str]] = field(default_factory=list)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, error)
@@ -84,6 +91,8 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
     known, _ = ledger.shard_names()
     disk_epoch = manifest_epoch(folder)
     report.shards_on_disk = len(paths)
+    spec = jobspec.load(r, job)
+    lost = LostAnswers(r, job) if spec.turns == jobspec.TURNS_ALL else None
     for path in paths:
         info = manifest.get(path.name)
         try:
@@ -91,7 +100,9 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
                 info = describe(path, disk_epoch)
                 append_manifest(folder, info)
                 report.manifest_lines_rebuilt.append(path.name)
-            _restore_shard(ledger, path, info, on_disk, report)
+            ids = _restore_shard(ledger, path, info, on_disk, report)
+            if lost is not None:
+                lost.save(path, ids)
         except (OSError, KeyError, *READ_ERRORS) as exc:
             report.unreadable.append((path.name, str(exc)))
             continue
@@ -106,16 +117,19 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
     numbers = [shard_number(name) or 0 for name in on_disk | set(report.claims_left)]
     report.seq = ledger.raise_shard_seq(max(numbers, default=0))
     report.epoch = ledger.raise_epoch(disk_epoch)
-    resumed = resume_after_shards(r, ledger, jobspec.load(r, job), folder, on_disk)
+    resumed = resume_after_shards(r, ledger, spec, folder, on_disk)
     report.turns_resumed, report.conversations_resumed = resumed.turns, resumed.conversations
+    if lost is not None:
+        report.answers_saved, report.conversations_saved = lost.turns, len(lost.conversations)
     report.cursors_dropped = reread_from_start(r, job)
     return report
 
 
 def _restore_shard(
     ledger: CommitLedger, path: Path, info: ShardInfo, on_disk: set[str], report: Recovery
-) -> None:
-    """Map the shard's ids that Redis lost to it and record it as committed."""
+) -> list[str]:
+    """Map the shard's ids that Redis lost to it and record it as committed; returns
+    the ids it keeps."""
     name = path.name
     ids: list[str] = []
     remap: list[str] = []
@@ -136,3 +150,4 @@ def _restore_shard(
                 report.ids_moved += 1
                 remap.append(pid)
     ledger.restore(name, info.to_json(), remap, ids)
+    return ids

@@ -13,6 +13,11 @@ after the one before it) are marked generated and their answers checkpointed fro
 their records, one transaction per chunk; a conversation committed whole has its
 checkpoint dropped, as its last hand-off would have (docs/design.md, Exactly-once
 commits). Memory: the window's chunks and the answers of their committed turns.
+
+A conversation whose chunk Redis lost whole (published after the copy was taken) has no
+chunk to mark: the answers of its committed turns are saved in the job's
+`recovered_answers` (LostAnswers), and the job's enqueue publishes the conversation
+again with that same state written for its new chunk (producer/lost_turns.py).
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ from redis.typing import EncodableT, FieldT
 
 from regen.common import defaults, keys
 from regen.common.chunk import Chunk
-from regen.common.conversation import Conversation
+from regen.common.conversation import Conversation, checkpoint_settled, turn_id
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.shard_files import iter_records
 from regen.ops.accounting import MESSAGES_PER_CALL, text
 from regen.ops.locate import decode_chunk_message
+from regen.ops.reconcile_shards import batches
+from regen.producer.job_ids import JobIds
 
 
 @dataclass
@@ -88,22 +95,54 @@ def resume_after_shards(
     answers = _answers(folder, [p for p in plans if not p.complete])
     pipe = r.pipeline(transaction=True)
     for plan in plans:
-        generated_key = keys.chunk_generated(spec.name, plan.chunk.chunk_id)
-        pipe.sadd(generated_key, *(tid for _, tid, _ in plan.committed))
-        pipe.expire(generated_key, defaults.CHUNK_STATE_TTL_S)
-        answers_key = keys.conversation_answers(
-            spec.name, plan.chunk.chunk_id, plan.conversation.id
+        checkpoint = None
+        if not plan.complete:
+            checkpoint = {str(turn): orjson.dumps(answers[tid]) for turn, tid, _ in plan.committed}
+        settled = [tid for _, tid, _ in plan.committed]
+        checkpoint_settled(
+            pipe, spec.name, plan.chunk.chunk_id, plan.conversation.id, settled, checkpoint
         )
-        if plan.complete:
-            pipe.delete(answers_key)
-            continue
-        mapping: dict[FieldT, EncodableT] = {
-            str(turn): orjson.dumps(answers[tid]) for turn, tid, _ in plan.committed
-        }
-        pipe.hset(answers_key, mapping=mapping)
-        pipe.expire(answers_key, defaults.CHUNK_STATE_TTL_S)
     pipe.execute()
     return report
+
+
+class LostAnswers:
+    """Saves the answers of committed turns whose conversation Redis lost whole (its first
+    turn not in the job's ids: its chunk was published after the copy Redis came back
+    from), one shard at a time, for the job's enqueue to resume the conversation after
+    them (producer/lost_turns.py). A chunk Redis still holds is resume_after_shards'. A
+    shard is read whole only when it holds such a turn; saving again is harmless."""
+
+    def __init__(self, r: redis.Redis, job: str) -> None:
+        self._r = r
+        self._key = keys.recovered_answers(job)
+        self._job_ids = JobIds(r, job)
+        self.turns = 0
+        self.conversations: set[str] = set()
+
+    def save(self, shard: Path, ids: list[str]) -> None:
+        """Save the answers of the shard's turns (`ids`) whose conversation is lost."""
+        wanted: set[str] = set()
+        for batch in batches(ids):
+            # A turn id is `<conversation id>-<turn>` (common/conversation.py).
+            firsts = [turn_id(tid.rpartition("-")[0], 0) for tid in batch]
+            known = self._job_ids.contains(firsts)
+            wanted.update(tid for tid, is_in in zip(batch, known, strict=True) if not is_in)
+        if not wanted:
+            return
+        found: dict[FieldT, EncodableT] = {}
+        for record in iter_records(shard):
+            conversation = record.get("conversation_id")
+            if conversation is not None and record["id"] in wanted:
+                found[record["id"]] = orjson.dumps(record["messages"][-1])
+                self.conversations.add(conversation)
+        if not found:
+            return
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hset(self._key, mapping=found)
+        pipe.expire(self._key, defaults.RECOVERED_ANSWERS_TTL_S)
+        pipe.execute()
+        self.turns += len(found)
 
 
 def _answers(folder: Path, plans: list[_Resume]) -> dict[str, dict[str, Any]]:
