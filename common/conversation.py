@@ -95,17 +95,23 @@ def checkpoint_settled(
 ) -> None:
     """Write where a conversation of a chunk stands, as the hand-offs of its `settled`
     turns would have: their ids marked generated in the chunk and their `answers` (turn
-    -> answer JSON) in its checkpoint, both expiring with the chunk's state; answers None:
+    -> answer JSON) in its checkpoint; answers None:
     the conversation is settled whole, its checkpoint dropped. A delivery of the chunk
     then resumes it after them (consumers/generate/turn_state.py). For what Redis lost:
-    `regen recover` (a chunk it still holds) and the job's enqueue (one it lost)."""
+    `regen recover` (a chunk it still holds) and the job's enqueue (one it lost).
+
+    Both expire after RECOVERED_ANSWERS_TTL_S, not the chunk state's 8 hours: the chunk
+    may wait on its queue longer than that before a delivery takes it (a paused fleet, a
+    long backlog), and a delivery that found them gone would generate the settled turns
+    again and build the next ones on other answers than the shards hold. The delivery's
+    own hand-offs set the usual expiry from then on."""
     generated = keys.chunk_generated(job, chunk_id)
     pipe.sadd(generated, *settled)
-    pipe.expire(generated, defaults.CHUNK_STATE_TTL_S)
+    pipe.expire(generated, defaults.RECOVERED_ANSWERS_TTL_S)
     checkpoint = keys.conversation_answers(job, chunk_id, conversation_id)
     if answers is None:
         pipe.delete(checkpoint)
         return
     mapping: dict[FieldT, EncodableT] = {turn: answer for turn, answer in answers.items()}
     pipe.hset(checkpoint, mapping=mapping)
-    pipe.expire(checkpoint, defaults.CHUNK_STATE_TTL_S)
+    pipe.expire(checkpoint, defaults.RECOVERED_ANSWERS_TTL_S)
