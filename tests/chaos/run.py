@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from regen.common import dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS
 from regen.common.queues import queue_lists
+from regen.common.samples import sample_id
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.producer.conversations import job_prompt
@@ -47,6 +48,8 @@ from tests.sglang_standin.process import StandinHandle, run_standin
 
 JOB = "chaos"
 MAX_NEW_TOKENS = 64
+# Every row is under this but the one a scenario makes too large (--max-row-bytes).
+MAX_ROW_BYTES = 4000
 # Answers of 8 to 40 tokens at 40 tokens/s: a chunk runs for seconds, so faults land
 # while work is in flight.
 ANSWER_LENGTHS = "uniform:min=8,max=40"
@@ -133,6 +136,8 @@ def dataset_rows(scenario: Scenario) -> list[dict[str, Any]]:
             rows.append(_plain_conversation(ask, users=rng.randint(2, 3)))
     if rows and rng.random() < 0.3:
         rows.append(dict(rows[0]))  # the same prompt twice: one id, regenerated once
+    if scenario.oversized_row:
+        rows.insert(rng.randrange(len(rows) + 1), {"prompt": "Too long. " * (MAX_ROW_BYTES // 8)})
     return rows
 
 
@@ -226,17 +231,10 @@ class Run:
 
     def enqueue(self) -> None:
         args = [
-            "enqueue",
-            str(self.dataset),
-            "--job",
-            JOB,
-            "--model",
-            str(self.env.model_dir),
-            "--max-new-tokens",
-            str(MAX_NEW_TOKENS),
-            "--chunk-size",
-            str(self.scenario.chunk_size),
-        ]
+            "enqueue", str(self.dataset), "--job", JOB, "--model", str(self.env.model_dir),
+            "--max-new-tokens", str(MAX_NEW_TOKENS), "--chunk-size", str(self.scenario.chunk_size),
+            "--max-row-bytes", str(MAX_ROW_BYTES), "--samples", str(self.scenario.samples),
+        ]  # fmt: skip
         if self.scenario.mode == "turns":
             args += ["--turns", "all"]
         result = regen(self.redis.url, *args)
@@ -245,9 +243,15 @@ class Run:
 
     def expected_ids(self, spec: jobspec.JobSpec) -> set[str]:
         ids: set[str] = set()
+        samples = self.scenario.samples
         for line in self.dataset.read_bytes().splitlines():
             prompt, conversation = job_prompt(orjson.loads(line), spec)
-            ids.update(conversation.turn_ids() if conversation is not None else [prompt.id])
+            for k in range(samples):
+                if conversation is None:
+                    ids.add(prompt.id if samples == 1 else sample_id(prompt.id, k))
+                else:
+                    cid = conversation.id if samples == 1 else sample_id(conversation.id, k)
+                    ids.update(replace(conversation, id=cid).turn_ids())
         return ids
 
     def start_workers(self) -> None:

@@ -8,7 +8,7 @@ still varies: a replay that passes where the first run failed points at a race).
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 MODES = ("single", "turns")
@@ -58,7 +58,8 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     export_crash: bool = False
     copy_at_s: float | None = None  # when the copy a rollback restores is taken
-    extra: dict[str, Any] = field(default_factory=dict)
+    samples: int = 1  # answers a prompt (`--samples`)
+    oversized_row: bool = False  # a row over --max-row-bytes: refused into the input DLQ
 
     def describe(self) -> str:
         faults = ", ".join(
@@ -70,6 +71,8 @@ class Scenario:
             f"{self.generate_workers} generate + {self.tokenize_workers} tokenize worker(s); "
             f"crash points [{crashes}]; faults [{faults}]"
             f"{'; export crashes once' if self.export_crash else ''}"
+            f"{f'; {self.samples} samples a prompt' if self.samples > 1 else ''}"
+            f"{'; one row too large' if self.oversized_row else ''}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,4 +121,6 @@ def draw(seed: int, mode: str) -> Scenario:
         faults=tuple(faults),
         export_crash=rng.random() < 0.3,
         copy_at_s=copy_at_s,
+        samples=rng.choice((1, 1, 1, 2)),
+        oversized_row=rng.random() < 0.2,
     )
