@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -32,7 +33,7 @@ from tests.redis_server import RedisServer, free_port
 from tests.test_enqueue import enqueue
 from tests.test_lease import TAG, deliver
 from tests.test_redis_restore import dump_all, restore_all
-from tests.test_turns import ROW, USER_TURNS, conversation_row
+from tests.test_turns import ROW, TOOL_ROW, USER_TURNS, conversation_row
 
 Hook = Callable[[int], None]
 
@@ -302,3 +303,47 @@ def test_a_renewal_that_finds_the_lease_lost_stops_the_turns_at_once(
             never.set()
     assert ctx.inflight == 0
     assert len(results(r, "j")) == 1  # turn 0 only
+
+
+def _diverged_checkpoint(
+    redis_url: str, r: redis.Redis, tmp_path: Path, deaths: int
+) -> tuple[Chunk, list[str]]:
+    """TOOL_ROW's chunk as a delivery that died between turn 0's hand-off and the dead
+    letter of turn 1 leaves it: turn 0 settled, its answer (no tool call, where the
+    dataset answers one) checkpointed, and `deaths` deliveries started and gone."""
+    chunk = turns_chunk(redis_url, r, tmp_path, [TOOL_ROW])
+    (prompt,) = chunk.prompts
+    assert prompt.conversation is not None
+    ids = prompt.accounted_ids
+    r.sadd(keys.chunk_generated("j", chunk.chunk_id), ids[0])
+    answer = {"role": "assistant", "content": "It is sunny, I think."}
+    r.hset(keys.conversation_answers("j", chunk.chunk_id, prompt.conversation.id), "0",
+           orjson.dumps(answer))  # fmt: skip
+    started = orjson.dumps({"worker": "w", "time": 0.0, "status": "started"})
+    for _ in range(deaths):
+        r.rpush(keys.chunk_attempts("j", chunk.chunk_id), started)
+    return chunk, ids
+
+
+@pytest.mark.parametrize("deaths", [0, 3])
+def test_a_redelivery_whose_checkpoint_does_not_fit_the_next_tool_result_dead_letters_it(
+    redis_url: str, r: redis.Redis, tmp_path: Path, smollm2_tokenizer: Any,
+    contexts: Callable[..., ChunkContext], deaths: int,
+) -> None:  # fmt: skip
+    """Found by the chaos harness (turns seed 18): the redelivery resumed the conversation
+    on its checkpoint, the next turn's tool result did not fit that answer, and the
+    ToolCallDiverged escaped: every delivery failed, then the poison cap's dead letter
+    failed the same way, and the chunk looped forever. Now turn 1 is dead-lettered as
+    the first delivery would have, the turn after it blocked, and the chunk is done."""
+    chunk, ids = _diverged_checkpoint(redis_url, r, tmp_path, deaths)
+    ctx = contexts(smollm2_tokenizer)
+    ctx.max_attempts = 3
+    outcome = run_chunk(ctx, chunk, TAG)
+    assert (outcome.generated, outcome.skipped, outcome.dead_lettered) == (0, 1, 2)
+    letters = {letter.entry_id: letter for letter in dlq.entries(r, "j", "generate")}
+    assert set(letters) == set(ids[1:])
+    assert letters[ids[1]].reason == "tool_call_diverged"
+    assert "1 tool result" in letters[ids[1]].message
+    assert letters[ids[2]].reason == "blocked"
+    assert not r.hlen(keys.KOMBU_UNACKED), "the chunk is acknowledged"
+    assert handed_off(r) == Counter(), "no turn generated again"

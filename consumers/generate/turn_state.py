@@ -29,6 +29,7 @@ from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.output_calls import with_call_ids
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.lease import Checkpoint
+from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.settle import dead_letter, mark_generated
 
 
@@ -182,6 +183,12 @@ def dead_letter_conversation(
         # Not resumable: the entry says so and keeps no prompt to requeue.
         message = f"{message}; {exc}"
         turn = _open_turn_without_history(prompt, settled)
+    except ToolCallDiverged as exc:
+        # The open turn cannot run on the answer before it, whatever the chunk's fault:
+        # the reason a delivery would have given it.
+        turn = exc.turn
+        letter = {**letter, "reason": Reason.TOOL_CALL_DIVERGED}
+        message = str(exc)
     if turn is None:
         return 0
     return dead_letter_turn(pipe, chunk, turn, message=message, **letter)

@@ -184,6 +184,16 @@ def run_conversations(
 ) -> tuple[int, int]:
     """Run the open turns of the chunk's conversations; (turns generated, dead-lettered)."""
     conversations = _Conversations(ctx, lease, chunk)
-    first = [resume(ctx.redis, chunk, prompt, settled) for prompt in prompts]
-    conversations.run([turn for turn in first if turn is not None])
+    first: list[Turn] = []
+    for prompt in prompts:
+        try:
+            turn = resume(ctx.redis, chunk, prompt, settled)
+        except ToolCallDiverged as exc:
+            # A delivery that died between a turn's hand-off and the dead letter of the
+            # turn after it, which its answer does not fit: that dead letter, now.
+            conversations.fail(exc.turn, Reason.TOOL_CALL_DIVERGED, str(exc))
+            continue
+        if turn is not None:
+            first.append(turn)
+    conversations.run(first)
     return conversations.generated, conversations.dead_lettered
