@@ -12,7 +12,7 @@ import orjson
 from celery import Celery
 from kombu import serialization
 
-from regen.common import settings
+from regen.common import defaults, settings
 from regen.common.connection import is_tls, tls_options
 
 GENERATE_TASK = "regen.generate_chunk"
@@ -39,6 +39,7 @@ def broker_transport_options() -> dict[str, object]:
         "visibility_timeout": configured.visibility_timeout_s,
         "unacked_restore_interval": configured.restore_interval_s,
         "unacked_restore_throttle": configured.restore_throttle,
+        "unacked_mutex_expire": defaults.UNACKED_MUTEX_EXPIRE_S,
         # Fail fast on a half-open connection instead of hanging a publish forever.
         "socket_timeout": 60,
         "socket_connect_timeout": 10,

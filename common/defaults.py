@@ -54,6 +54,12 @@ VISIBILITY_TIMEOUT_S = 100
 # are back on the queue within lease + sweep = 110 s of its last heartbeat.
 UNACKED_RESTORE_INTERVAL_S = 10
 UNACKED_RESTORE_THROTTLE = 1
+# A sweep holds kombu's restore lock (`unacked_mutex`) for a few milliseconds; a worker
+# killed inside one leaves the lock until it expires, and no process restores anything
+# until then. kombu's 300 s would hold a dead worker's chunks for three leases; this
+# bounds the stall. A lock that expires mid-sweep is harmless: each restore is a
+# transaction on `unacked` that moves a message once.
+UNACKED_MUTEX_EXPIRE_S = 10
 # A chunk's attempts and settled prompts are kept this long after its last renewal, so
 # a redelivery still finds which prompts are done; then they expire (flat memory).
 CHUNK_STATE_TTL_S = 8 * 3600

@@ -28,6 +28,8 @@ KOMBU_UNACKED = "unacked"
 # kombu's sweep restores a message whose score is older than the visibility timeout. A
 # generate worker moves the scores of the chunks it holds to now: its leases.
 KOMBU_UNACKED_INDEX = "unacked_index"
+# ...and kombu's lock that one sweep at a time holds (Channel.unacked_mutex_key).
+KOMBU_UNACKED_MUTEX = "unacked_mutex"
 
 # Fields of `job_counters` kept by the scripts that write the bucketed indexes: ids in
 # the job (publish script, input dead letters) and ids in the committed index, claimed

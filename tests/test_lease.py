@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from regen.common import keys
+from regen.common import defaults, keys
 from regen.consumers.generate.lease import ChunkLease, HandOff, LeaseBook, LeaseLost
 from tests.test_redis_restore import dump_all, restore_all
 
@@ -203,3 +203,28 @@ def test_a_write_found_landed_after_its_reply_was_lost_counts_for_the_rollback_c
     restore_all(r, copy)  # Redis goes back to before that write
     with pytest.raises(LeaseLost, match="Redis lost writes"):
         lease.finish(r, "w1")
+
+
+def test_a_worker_killed_mid_sweep_holds_the_restore_lock_for_seconds_not_minutes(
+    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu takes `unacked_mutex` for each sweep with a 300 s expiry by default: a worker
+    killed inside a sweep (the chaos harness, turns seed 29) stopped every restore for
+    five minutes, its chunks with them. The lock a sweep takes now expires within
+    UNACKED_MUTEX_EXPIRE_S, seen from inside a real sweep, where a kill would leave it."""
+    from regen.common.celery_app import make_app
+
+    message = b'[{"body": "", "properties": {"delivery_tag": "t"}}, "", "q"]'
+    r.zadd(keys.KOMBU_UNACKED_INDEX, {"t": 1.0})  # its lease long gone
+    r.hset(keys.KOMBU_UNACKED, "t", message)
+    seen: list[int] = []
+    with make_app(redis_url).connection_for_write() as connection:
+        qos = connection.default_channel.qos
+        key = qos.unacked_mutex_key
+        assert key == keys.KOMBU_UNACKED_MUTEX
+        monkeypatch.setattr(type(qos), "restore_by_tag", lambda self, tag, client=None,
+                            leftmost=False: seen.append(r.pttl(key)))  # fmt: skip
+        qos.restore_visible(interval=1)
+    (held_ms,) = seen
+    assert 0 < held_ms <= defaults.UNACKED_MUTEX_EXPIRE_S * 1000
+    assert defaults.UNACKED_MUTEX_EXPIRE_S < defaults.VISIBILITY_TIMEOUT_S

@@ -159,6 +159,15 @@ class Workers:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)
 
+    def describe(self) -> str:
+        """Each worker: its name, whether it runs, and its processes' exit statuses."""
+        parts = []
+        for slot in self.slots:
+            if slot.worker is not None:
+                state = "running" if slot.worker.process.poll() is None else "dead"
+                parts.append(f"{slot.worker.name} {state} exits {slot.exits}")
+        return "; ".join(parts)
+
     def restarts(self) -> int:
         return sum(len(slot.exits) for slot in self.slots)
 

@@ -410,10 +410,13 @@ class Run:
         ]
         pending = self.r.hlen(keys.pending_shards(JOB))
         stream = self.r.xlen(keys.results_stream(JOB))
-        unacked = self.r.hlen(keys.KOMBU_UNACKED)
+        now = time.time()
+        leases = [f"{now - score:.0f}s" for _, score in
+                  self.r.zrange(keys.KOMBU_UNACKED_INDEX, 0, -1, withscores=True)]  # fmt: skip
         return (
             f"{len(open_ids)} open id(s) {open_ids[:5]}, pending shards {pending}, "
-            f"results {stream}, unacked {unacked}"
+            f"results {stream}, unacked leases last renewed {leases} ago, restore lock "
+            f"{self.r.pttl(keys.KOMBU_UNACKED_MUTEX)} ms, workers {self.workers.describe()}"
         )
 
     # --- the invariant ---------------------------------------------------------------
