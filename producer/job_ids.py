@@ -3,7 +3,8 @@
 
 The publish script (producer/publish.py) records the ids of each chunk it queues with
 ADD_IDS_LUA; a prompt refused at enqueue, or one found settled though Redis lost it,
-goes in through `add`. Everything else reads: enqueue's dedupe, status and verify.
+goes in through `add`; `regen recover` takes out ids in no place (`remove`). Everything
+else reads: enqueue's dedupe, status and verify.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ end
 """
 # KEYS: counters, then the bucket of each id; ARGV: the ids' fields.
 _ADD_LUA = ADD_IDS_LUA + "add_ids(KEYS[1], 2, #ARGV, 1)"
+# The same KEYS and ARGV: forget the ids, counting those that were there.
+_REMOVE_LUA = f"""
+local removed = 0
+for i = 1, #ARGV do
+  removed = removed + redis.call('HDEL', KEYS[i + 1], ARGV[i])
+end
+if removed > 0 then redis.call('HINCRBY', KEYS[1], '{keys.IDS}', -removed) end
+return removed
+"""
 
 
 class JobIds:
@@ -40,6 +50,7 @@ class JobIds:
         buckets = jobspec.load(r, job).id_buckets
         self.index = BucketedIds(r, buckets, lambda b: keys.job_ids(job, b))
         self._add = r.register_script(_ADD_LUA)
+        self._remove = r.register_script(_REMOVE_LUA)
 
     def contains(self, ids: list[str]) -> list[bool]:
         return [value is not None for value in self.index.get(ids)]
@@ -50,6 +61,14 @@ class JobIds:
             return
         buckets, fields = self.index.keys_and_fields(ids)
         self._add(keys=[keys.job_counters(self._job), *buckets], args=fields, client=pipe)
+
+    def remove(self, ids: list[str]) -> int:
+        """Forget ids, so that the job's enqueue queues them again (`regen recover`, for
+        ids in no place); returns how many were there."""
+        if not ids:
+            return 0
+        buckets, fields = self.index.keys_and_fields(ids)
+        return int(self._remove(keys=[keys.job_counters(self._job), *buckets], args=fields))
 
     def count(self) -> int:
         return int(self._r.hget(keys.job_counters(self._job), keys.IDS) or 0)

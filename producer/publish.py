@@ -31,7 +31,9 @@ from regen.producer.job_ids import ADD_IDS_LUA, JobIds
 # (keys.job_ids), then one key per LPUSH.
 # ARGV: chunk id, number of ids, number of cursors, ids' fields..., per cursor its name,
 # its new value and the value it must not be behind (-1: not checked), messages...
-# Returns {} when published, {'chunk'} when the chunk was already published,
+# Returns {} when published, {'chunk'} when the chunk was already published (its ids
+# all in the job: a chunk whose ids `regen recover` took out, its message lost, goes
+# out again),
 # {'behind', name, value} when a cursor is behind (nothing written), or the 1-based
 # positions of the ids that another producer enqueued meanwhile (the caller rebuilds
 # the chunk without them).
@@ -44,10 +46,12 @@ for c = 4 + n_ids, 3 + n_ids + 3 * n_cur, 3 do
   local stored = tonumber(redis.call('HGET', KEYS[2], ARGV[c]) or '0')
   if stored < tonumber(ARGV[c + 2]) then return {'behind', ARGV[c], stored} end
 end
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'chunk'} end
 local present = {}
 for i = 1, n_ids do
   if redis.call('HEXISTS', KEYS[3 + i], ARGV[3 + i]) == 1 then table.insert(present, i) end
+end
+if #present == n_ids and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  return {'chunk'}
 end
 if #present > 0 then return present end
 add_ids(KEYS[3], 4, n_ids, 4)

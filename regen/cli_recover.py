@@ -65,6 +65,9 @@ def _print(report: Recovery) -> None:
                    "id(s): restored")  # fmt: skip
     else:
         click.echo("  Redis had lost nothing: it knew every shard on disk")
+    if report.missing_requeued:
+        click.echo(f"  {report.missing_requeued} id(s) in no place (their chunk lost) taken out "
+                   "of the job's ids: the job's enqueue queues them again")  # fmt: skip
     if report.ids_moved:
         click.echo(f"  {report.ids_moved} id(s) moved off shards that are not on disk")
     if report.manifest_lines_rebuilt:

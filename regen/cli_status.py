@@ -137,6 +137,9 @@ def _print_report(report: Reconciliation) -> None:
         listed = sum(1 for k, _, _ in report.problems if k == kind)
         if count > listed:
             click.echo(f"  ... and {count - listed:,} more {kind}")
+    if report.problem_counts["missing"]:
+        click.echo(f"  fix for missing ids (their chunk was lost): regen recover --job "
+                   f"{report.job} --out OUT, then the job's own regen enqueue")  # fmt: skip
     if report.ok:
         click.echo("ok: every enqueued id is in exactly one place")
     else:

@@ -62,10 +62,11 @@ class Reconciliation:
     shards_note: str = ""
     # What is not a problem of accounting but worth knowing (servers' versions mixed).
     warnings: list[str] = field(default_factory=list)
+    max_listed: int = MAX_LISTED  # problems listed per kind
 
     def problem(self, kind: str, subject: str, detail: str) -> None:
         self.problem_counts[kind] += 1
-        if self.problem_counts[kind] <= MAX_LISTED:
+        if self.problem_counts[kind] <= self.max_listed:
             self.problems.append((kind, subject, detail))
 
     @property
@@ -190,6 +191,29 @@ def _enqueued(r: redis.Redis, job: str) -> set[str]:
     return set(JobIds(r, job))
 
 
+def missing_ids(r: redis.Redis, spec: JobSpec) -> list[str]:
+    """Every id of the job in no place, each seen so in two readings (the module doc)."""
+    report = Reconciliation(spec.name, max_listed=1 << 62)
+    _place_enqueued(r, CommitLedger(r, spec.name), spec, report)
+    return [pid for kind, pid, _ in report.problems if kind == "missing"]
+
+
+def _place_enqueued(
+    r: redis.Redis, ledger: CommitLedger, spec: JobSpec, report: Reconciliation
+) -> tuple[_Window, set[str]]:
+    """Place every id of the job; (the first reading, the job's ids)."""
+    w = _read_window(r, ledger, spec, report)
+    enqueued = _enqueued(r, spec.name)
+    report.enqueued = len(enqueued)
+    second_look = []
+    for batch in batches(enqueued):
+        second_look += _classify(report, w, batch, ledger.owner_of(batch), False)
+    if second_look:  # on a running job, an id may have moved between two reads
+        fresh = _read_window(r, ledger, spec, None)
+        _classify(report, fresh, second_look, ledger.owner_of(second_look), True)
+    return w, enqueued
+
+
 def reconcile(
     r: redis.Redis, spec: JobSpec, shards_dir: Path | None, read_shards: bool = True
 ) -> Reconciliation:
@@ -201,15 +225,7 @@ def reconcile(
     if mixed:
         report.warnings.append(mixed)
     report.warnings += refusals.warnings(r, job)
-    w = _read_window(r, ledger, spec, report)
-    enqueued = _enqueued(r, job)
-    report.enqueued = len(enqueued)
-    second_look = []
-    for batch in batches(enqueued):
-        second_look += _classify(report, w, batch, ledger.owner_of(batch), False)
-    if second_look:  # on a running job, an id may have moved between two reads
-        fresh = _read_window(r, ledger, spec, None)
-        _classify(report, fresh, second_look, ledger.owner_of(second_look), True)
+    w, enqueued = _place_enqueued(r, ledger, spec, report)
     report.places.setdefault("missing", 0)  # shown even when none
     for pid in w.everywhere - enqueued:
         report.problem("not_enqueued", pid, "in the pipeline but not in the job's ids")

@@ -15,18 +15,24 @@ resume after the turns the shards hold, on those turns' answers, and the answers
 committed turns of conversations Redis lost whole are saved for that enqueue, which
 resumes them the same way (recover_turns).
 
-It only adds what the disk proves, so it is safe to run on a healthy job, and again.
-Memory holds one shard's ids at a time.
+Then the ids in no place (`regen verify`'s `missing`: their chunk was lost in kombu's
+window between popping a message and recording it in `unacked`, as when Redis dies in
+between) are taken out of the job's ids, for the same enqueue to queue again.
+
+Besides those, it only adds what the disk proves, so it is safe to run on a healthy
+job, and again. Memory holds one shard's ids at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from regen.common import jobspec
+from regen.common.conversation import turn_id
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import manifest_epoch
 from regen.consumers.tokenize.shard_files import (
@@ -39,9 +45,11 @@ from regen.consumers.tokenize.shard_files import (
     shard_number,
     shard_paths,
 )
+from regen.ops.reconcile import missing_ids
 from regen.ops.reconcile_shards import batches
 from regen.ops.recover_turns import LostAnswers, resume_after_shards
 from regen.producer.enqueue import reread_from_start
+from regen.producer.job_ids import JobIds
 
 
 @dataclass
@@ -63,6 +71,9 @@ class Recovery:
     seq: tuple[int, int] = (0, 0)  # the shard counter before, after
     epoch: tuple[int, int] = (0, 0)
     cursors_dropped: int = 0
+    # Ids in no place (their chunk lost in kombu's window) taken out of the job's ids,
+    # for its enqueue to queue again.
+    missing_requeued: int = 0
     # `--turns all`: committed turns marked generated in the chunks still waiting or in
     # flight, with their answers checkpointed (recover_turns), and their conversations.
     turns_resumed: int = 0
@@ -108,6 +119,14 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
             continue
         if path.name not in known:
             report.shards_restored.append(path.name)
+    # After the ledger is whole again: an id it lacked looked missing before.
+    report.missing_requeued = forget_missing(r, spec)
+    if lost is not None and report.missing_requeued:
+        # Conversations whose first turn just left the job's ids resume on their
+        # committed turns' answers: read again the shards that hold those.
+        for path in paths:
+            with contextlib.suppress(OSError, *READ_ERRORS):
+                lost.save(path, list(iter_ids(path)))
     for claim in ledger.pending().values():  # those in place were recorded above
         if claim.expired():
             ledger.release(claim)
@@ -123,6 +142,22 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
         report.answers_saved, report.conversations_saved = lost.turns, len(lost.conversations)
     report.cursors_dropped = reread_from_start(r, job)
     return report
+
+
+def forget_missing(r: redis.Redis, spec: jobspec.JobSpec) -> int:
+    """Take the ids in no place (`regen verify`'s `missing`) out of the job's ids, so
+    that the job's enqueue, reading its files from the first row, queues them again.
+    An id goes missing when its chunk does: popped off the queue by a worker but never
+    recorded in `unacked` (kombu's BRPOP-then-HSET window), as when Redis dies between
+    popping it and answering. With `--turns all` the first turn of each conversation
+    with a turn missing goes too: that is how the enqueue finds a conversation to
+    resume after its settled turns (producer/lost_turns.py), on the answers this
+    recovery saves from the shards. Returns the ids taken out."""
+    missing = missing_ids(r, spec)
+    if spec.turns == jobspec.TURNS_ALL:
+        firsts = {turn_id(tid.rpartition("-")[0], 0) for tid in missing}
+        missing = sorted(set(missing) | firsts)
+    return JobIds(r, spec.name).remove(missing)
 
 
 def _restore_shard(

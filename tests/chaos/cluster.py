@@ -27,13 +27,14 @@ CHUNK_LEASE_S = 4
 SHARD_LEASE_S = 4
 RESTART_DELAY_S = 0.3
 
-# A copy of every key, taken in one step (a script runs alone), as a backup or a lagging
-# replica holds it.
+# A copy of every key with its time to live, taken in one step (a script runs alone),
+# as a backup or a lagging replica holds it: an RDB or AOF keeps each key's expiry.
 _DUMP_ALL = """
 local out = {}
 for _, key in ipairs(redis.call('KEYS', '*')) do
   out[#out + 1] = key
   out[#out + 1] = redis.call('DUMP', key)
+  out[#out + 1] = redis.call('PTTL', key)
 end
 return out
 """
@@ -53,16 +54,17 @@ class Redis:
         time.sleep(down_s)
         self.server.start()
 
-    def copy(self) -> dict[bytes, bytes]:
+    def copy(self) -> dict[bytes, tuple[bytes, int]]:
         flat = self.client.eval(_DUMP_ALL, 0)
-        return dict(zip(flat[::2], flat[1::2], strict=True))
+        return {key: (value, int(ttl)) for key, value, ttl in zip(*[iter(flat)] * 3, strict=True)}
 
-    def restore(self, copy: dict[bytes, bytes]) -> None:
-        """Put the copy back, in one transaction, under the running workers."""
+    def restore(self, copy: dict[bytes, tuple[bytes, int]]) -> None:
+        """Put the copy back, each key with the time to live it had (0: none), in one
+        transaction, under the running workers."""
         pipe = self.client.pipeline(transaction=True)
         pipe.flushall()
-        for key, value in copy.items():
-            pipe.restore(key, 0, value)
+        for key, (value, ttl_ms) in copy.items():
+            pipe.restore(key, max(ttl_ms, 0), value)
         pipe.execute()
 
     def stop(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -66,6 +67,8 @@ WEATHER_TOOL = {
     },
 }
 SETTLE_TIMEOUT_S = 240
+# Open ids with nothing in flight for this long: a chunk lost, the operator steps in.
+QUIET_S = 10
 START_TIMEOUT_S = 60
 POLL_S = 0.1
 
@@ -225,7 +228,7 @@ class Run:
         self.r = self.redis.client
         self.workers = Workers(self.redis.url, work)
         self.watch = ShardWatch(self.folder, shard_paths)
-        self.copy: dict[bytes, bytes] | None = None
+        self.copy: dict[bytes, tuple[bytes, int]] | None = None
 
     # --- the job ---------------------------------------------------------------------
 
@@ -301,6 +304,11 @@ class Run:
         dead = dlq.dead_lettered(r, JOB, expected)
         if not all(o is not None or d for o, d in zip(owners, dead, strict=True)):
             return False
+        return self.quiet()
+
+    def quiet(self) -> bool:
+        """Nothing queued, held, on the stream or being committed."""
+        r = self.r
         spec = jobspec.load(r, JOB)
         pipe = r.pipeline(transaction=False)
         pipe.hlen(keys.pending_shards(JOB))
@@ -371,6 +379,8 @@ class Run:
         t0 = self.first_delivery()
         pending = list(s.faults)
         next_look = 0.0
+        quiet_since: float | None = None
+        fixed = False
         while True:
             now = time.monotonic() - t0
             self.workers.supervise()
@@ -381,8 +391,15 @@ class Run:
             if now >= next_look:
                 next_look = now + 0.5
                 self.watch.look()
-                if not pending and not self.workers.frozen and self.settled(ordered):
-                    break
+                if not pending and not self.workers.frozen:
+                    if self.settled(ordered):
+                        break
+                    quiet_since = quiet_since or (now if self.quiet() else None)
+                    if quiet_since is not None and now - quiet_since > QUIET_S and not fixed:
+                        fixed = True
+                        self.requeue_missing()
+                    elif quiet_since is not None and not self.quiet():
+                        quiet_since = None
             if now > SETTLE_TIMEOUT_S:
                 self.outcome.violations.append(
                     f"not settled after {SETTLE_TIMEOUT_S} s: {self.stuck(ordered)}"
@@ -392,6 +409,22 @@ class Run:
         self.outcome.violations += self.workers.violations
         self.workers.stop()
         self.check(spec, expected)
+
+    def requeue_missing(self) -> None:
+        """Ids open with nothing left in flight: their chunk was lost in kombu's window.
+        The operator's fix, as `regen verify` names it: `regen recover`, then the job's
+        enqueue (recorded with the faults, so the figures count it)."""
+        found = regen(self.redis.url, "verify", "--job", JOB, "--no-shards")
+        missing = re.search(r"missing +(\d+)", found.output)
+        if found.exit_code != 1 or missing is None or missing.group(1) == "0":
+            return  # not this: the run times out and says where the ids are
+        self.folder.mkdir(parents=True, exist_ok=True)  # no shard yet: an empty folder
+        recovered = regen(self.redis.url, "recover", "--job", JOB, "--out", str(self.out))
+        if recovered.exit_code != 0:
+            self.outcome.violations.append(f"regen recover exit {recovered.exit_code}: "
+                                           f"{recovered.output}")  # fmt: skip
+        self.enqueue()
+        self.outcome.faults.append(f"requeued_missing({missing.group(1)})")
 
     def first_delivery(self) -> float:
         """When a worker first took a chunk: fault times count from there, so that faults
