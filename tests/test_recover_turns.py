@@ -3,7 +3,9 @@ from are neither lost nor generated again, and the turns after them build on the
 
 from __future__ import annotations
 
+import re
 import signal
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,11 @@ from regen.common import keys
 from regen.common.celery_app import make_app
 from regen.consumers.generate.turns import CRASHPOINT
 from regen.consumers.tokenize.shard_files import shard_paths
+from regen.ops.accounting import text
 from regen.producer.enqueue import Enqueuer
 from tests.generate_harness import all_acked, result_ids, results
 from tests.helpers import job_ids, wait_for
+from tests.test_lost_chunk import regen
 from tests.test_redis_restore import dump_all, restore_all
 from tests.test_turns_stage import (
     TURNS,
@@ -127,4 +131,67 @@ def test_recover_resumes_a_conversation_whose_chunk_redis_lost(
     assert turns[conversation, 1]["messages"][-3] == committed[first.id]["messages"][-1]
     assert verified(redis_url, "l", out)["ok"]
     files = CliRunner().invoke(main, ["shards", "verify", str(out / "l"), "--redis-url", redis_url])
+    assert files.exit_code == 0, files.output
+
+
+def test_recover_resumes_a_conversation_whose_chunk_was_lost_in_kombus_window(
+    redis_url: str, r: redis.Redis, tmp_path: Path, kimi_tokenizer_dir: Path, kimi_tokenizer: Any
+) -> None:
+    """A redelivered chunk of conversations lost in kombu's window (popped, never in
+    `unacked`, as when Redis dies mid-reply; the chaos harness's single seed 134 on the
+    turn path) while a shard holds a first turn: `regen verify` names the other turns
+    missing, `regen recover` takes them and the committed turn's conversation out of the
+    job's ids with its answer saved, and the job's enqueue resumes that conversation after
+    its committed turn and publishes the other one whole."""
+    prepared = enqueue(redis_url, tmp_path, kimi_tokenizer_dir, "w")
+    spec = prepared.spec
+    every_turn = job_ids(r, "w")
+    out = tmp_path / "out"
+    with kimi_standin(kimi_tokenizer_dir) as server:
+        doomed = worker(redis_url, tmp_path, server, REGEN_CRASHPOINT=CRASHPOINT)
+        assert doomed.process.wait(timeout=120) == -signal.SIGKILL, doomed.log()
+        (first,) = results(r, "w")  # a first turn handed off, then the worker died
+        committed = tokenize(r, out, "w", 1)  # ... and committed to a shard
+        assert list(committed) == [first.id] and first.turn == 0
+        # The chunk goes back to its queue and is popped again; Redis dies before the
+        # pop is recorded in `unacked`: the chunk is in no place.
+        (tag,) = [text(t) for t in r.hkeys(keys.KOMBU_UNACKED)]
+        r.hdel(keys.KOMBU_UNACKED, tag)
+        r.zrem(keys.KOMBU_UNACKED_INDEX, tag)
+
+        lost = every_turn - {first.id}
+        found = regen(redis_url, "verify", "--job", "w", "--no-shards")
+        assert found.exit_code == 1, found.output
+        assert re.search(rf"missing +{len(lost)}\n", found.output), found.output
+        recovered = regen(redis_url, "recover", "--job", "w", "--out", str(out))
+        assert recovered.exit_code == 0, recovered.output
+        # The lost turns, and the committed first turn of the conversation to resume.
+        assert f"{len(lost) + 1} id(s) in no place" in recovered.output, recovered.output
+        assert "answers of 1 committed turn(s) of 1 conversation(s)" in recovered.output
+        stats = Enqueuer(r, make_app(redis_url), prepared, high_water=100).run(
+            [tmp_path / "w.jsonl"]
+        )  # the job's enqueue, run again
+        assert stats.conversations_resumed == 1
+        assert job_ids(r, "w") == every_turn
+
+        earlier = [res.id for res in results(r, "w")]
+
+        def rest_generated() -> bool:  # every turn but the committed one
+            return result_ids(r, "w") | {first.id} == every_turn and all_acked(r, spec)
+
+        with worker(redis_url, tmp_path, server):
+            wait_for(rest_generated, timeout=180, what="every other turn generated")
+    generated = Counter(res.id for res in results(r, "w")) - Counter(earlier)
+    # Each lost turn generated once; the committed one not again.
+    assert generated == Counter(lost)
+    found_records = tokenize(r, out, "w", TURNS)
+    assert set(found_records) == every_turn
+    assert found_records[first.id] == committed[first.id]
+    turns = by_turn(found_records)
+    conversation = first.conversation_id
+    assert conversation is not None
+    # The next turn's history holds the committed turn's own answer.
+    assert turns[conversation, 1]["messages"][-3] == committed[first.id]["messages"][-1]
+    assert verified(redis_url, "w", out)["ok"]
+    files = regen(redis_url, "shards", "verify", str(out / "w"))
     assert files.exit_code == 0, files.output
