@@ -25,7 +25,6 @@ job, and again. Memory holds one shard's ids at a time.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,13 +119,12 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
         if path.name not in known:
             report.shards_restored.append(path.name)
     # After the ledger is whole again: an id it lacked looked missing before.
-    report.missing_requeued = forget_missing(r, spec)
-    if lost is not None and report.missing_requeued:
+    missing = missing_ids(r, spec)
+    report.missing_requeued = forget_missing(r, spec, missing)
+    if lost is not None and missing:
         # Conversations whose first turn just left the job's ids resume on their
-        # committed turns' answers: read again the shards that hold those.
-        for path in paths:
-            with contextlib.suppress(OSError, *READ_ERRORS):
-                lost.save(path, list(iter_ids(path)))
+        # committed turns' answers, read from the shards that hold them.
+        lost.save_settled_before(ledger, folder, missing)
     for claim in ledger.pending().values():  # those in place were recorded above
         if claim.expired():
             ledger.release(claim)
@@ -144,16 +142,16 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
     return report
 
 
-def forget_missing(r: redis.Redis, spec: jobspec.JobSpec) -> int:
-    """Take the ids in no place (`regen verify`'s `missing`) out of the job's ids, so
-    that the job's enqueue, reading its files from the first row, queues them again.
+def forget_missing(r: redis.Redis, spec: jobspec.JobSpec, missing: list[str]) -> int:
+    """Take the ids in no place (`regen verify`'s `missing`, reconcile.missing_ids) out
+    of the job's ids, so that the job's enqueue, reading its files from the first row,
+    queues them again.
     An id goes missing when its chunk does: popped off the queue by a worker but never
     recorded in `unacked` (kombu's BRPOP-then-HSET window), as when Redis dies between
     popping it and answering. With `--turns all` the first turn of each conversation
     with a turn missing goes too: that is how the enqueue finds a conversation to
     resume after its settled turns (producer/lost_turns.py), on the answers this
     recovery saves from the shards. Returns the ids taken out."""
-    missing = missing_ids(r, spec)
     if spec.turns == jobspec.TURNS_ALL:
         firsts = {turn_id(tid.rpartition("-")[0], 0) for tid in missing}
         missing = sorted(set(missing) | firsts)

@@ -22,6 +22,7 @@ again with that same state written for its new chunk (producer/lost_turns.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from regen.common.conversation import Conversation, checkpoint_settled, turn_id
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.shard_files import iter_records
+from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_records
 from regen.ops.accounting import MESSAGES_PER_CALL, text
 from regen.ops.locate import decode_chunk_message
 from regen.ops.reconcile_shards import batches
@@ -143,6 +144,24 @@ class LostAnswers:
         pipe.expire(self._key, defaults.RECOVERED_ANSWERS_TTL_S)
         pipe.execute()
         self.turns += len(found)
+
+    def save_settled_before(self, ledger: CommitLedger, folder: Path, missing: list[str]) -> None:
+        """Save the answers of the turns committed before each conversation's first
+        turn in `missing` (a conversation's turns settle in order, so those are all it
+        has in shards), reading only the shards that hold them."""
+        first_missing: dict[str, int] = {}
+        for tid in missing:
+            conversation, _, turn = tid.rpartition("-")
+            first_missing[conversation] = min(int(turn), first_missing.get(conversation, int(turn)))
+        before = [turn_id(c, turn) for c, first in first_missing.items() for turn in range(first)]
+        by_shard: dict[str, list[str]] = {}
+        for batch in batches(before):
+            for tid, owner in zip(batch, ledger.owner_of(batch), strict=True):
+                if owner is not None:
+                    by_shard.setdefault(owner, []).append(tid)
+        for shard, ids in sorted(by_shard.items()):
+            with contextlib.suppress(OSError, *READ_ERRORS):  # `recover` reported it
+                self.save(folder / shard, ids)
 
 
 def _answers(folder: Path, plans: list[_Resume]) -> dict[str, dict[str, Any]]:
