@@ -142,7 +142,8 @@ def _tokenize(
     conversation: Conversation | None,
     source: dict[str, Any],
 ) -> None:
-    """Render one prompt as `Enqueuer._render` does, with the same outcomes."""
+    """Render one prompt as `PromptRenderer.render` (producer/render.py) does, with the
+    same outcomes."""
     scan.tokenized += 1
     contexts = [] if conversation is None else conversation.later
     ids = _accepted_ids(scan, job, prompt.messages, prompt.tools)
