@@ -19,6 +19,7 @@ import redis
 from rich.console import Console
 
 from regen.common import dlq, jobspec, keys, provenance
+from regen.consumers.tokenize import job_writer
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
 from regen.consumers.tokenize.job_writer import ShardPolicy
@@ -364,3 +365,38 @@ def test_a_worker_whose_template_differs_refuses_the_job_and_status_says_so(
     assert expected not in job_status(r, other, [], window_s=60)["flags"]  # gone: not said
     assert expected in reconcile(r, other, out / "t", read_shards=False).warnings
     assert not (out / "t").exists() or not list((out / "t").glob("shard-*"))
+
+
+def test_a_claim_redis_loses_before_its_shard_is_placed_places_nothing(
+    r: redis.Redis,
+    spec: jobspec.JobSpec,
+    smollm2_tokenizer: Any,
+    out: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Redis comes back from a copy taken before a writer's claim while the writer is
+    between its claim and placing the shard (a chaos CI seed, under load). Placing then
+    would put on disk ids Redis has free, and stop the job as behind the disk until an
+    operator ran `regen recover` again. The writer checks its claim first: it places
+    nothing, and writes those results again under a new claim."""
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(10)]
+    push(r, results)
+    ledger = CommitLedger(r, "t")
+    lost: list[str] = []
+    real_hit = job_writer.crashpoints.hit
+
+    def claim_lost_once(point: str) -> None:
+        if point == "tokenize.after_claim" and not lost:
+            for claim in ledger.pending().values():  # as the older copy has it: no claim
+                ledger.release(claim)
+                lost.append(claim.shard)
+        real_hit(point)
+
+    monkeypatch.setattr(job_writer.crashpoints, "hit", claim_lost_once)
+    with InProcess(r, options(out), "c1"):
+        wait_for(lambda: settled(r, "t", 10), timeout=60, what="all results committed")
+    folder = out / "t"
+    assert lost and lost[0] not in {path.name for path in shard_paths(folder)}
+    assert sorted(shard_ids(folder)) == sorted(res.id for res in results)
+    assert ledger.unknown_shards([path.name for path in shard_paths(folder)]) == []
+    assert verify(folder) == []

@@ -6,7 +6,8 @@ Commit protocol for a shard (the file is already durably written under its temp 
    and records the shard as pending with a lease, or, if any id already belongs to
    another shard, claims nothing and names those ids (the caller drops them, rewrites the
    temp file, and claims again);
-2. the owner renames the file into place (only while its lease has a safety margin left);
+2. the owner renames the file into place (only while its lease has a safety margin left,
+   and Redis still holds its claim: a Redis restored from an older copy may have lost it);
 3. finalize: one Lua script moves the shard from pending to the job's shard list, acks
    and deletes its stream entries, drops its ids' generate and tokenize dead letters (a
    requeued id that succeeds leaves the DLQ), and adds the shard to the job's committed counters and
@@ -290,6 +291,15 @@ class CommitLedger:
             args=[shard, orjson.dumps(asdict(record)), _stored_shard(shard), *fields],
         )
         return [ids[int(i) - 1] for i in taken], record
+
+    def holds(self, pending: PendingShard) -> bool:
+        """Whether Redis still records this claim: not released by a recovery, nor lost
+        to a Redis restored from a copy taken before it."""
+        raw = self._r.hget(keys.pending_shards(self._job), pending.shard)
+        if raw is None:
+            return False
+        record = PendingShard(**orjson.loads(raw))
+        return (record.owner, record.lease_until) == (pending.owner, pending.lease_until)
 
     def _record_keys(self) -> list[str]:
         """The KEYS of _RECORD_LUA, in order."""

@@ -335,6 +335,14 @@ class JobWriter:
             log.warning("shard %s of %s abandoned: claim lease ran short", shard.name, self.job)
             return
         crashpoints.hit("tokenize.after_claim")
+        if not self._ledger.holds(claim):
+            # Redis lost the claim (restored from an older copy, maybe with `regen
+            # recover` run since): placing now would put on disk ids that Redis has free
+            # and stop the job as behind the disk. Undo; the entries come back.
+            shard.abort()
+            self.left_unacked = True
+            log.warning("shard %s of %s abandoned: Redis lost its claim", shard.name, self.job)
+            return
         try:
             place(self.folder, info, self.owner)
         except ShardExists:
