@@ -37,6 +37,12 @@ def turn_id(conversation_id: str, turn: int) -> str:
     return f"{conversation_id}-{turn}"
 
 
+def split_turn_id(tid: str) -> tuple[str, int]:
+    """(conversation id, turn) of a turn id made by `turn_id`."""
+    conversation_id, _, turn = tid.rpartition("-")
+    return conversation_id, int(turn)
+
+
 @dataclass(frozen=True)
 class Conversation:
     id: str

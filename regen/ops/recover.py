@@ -31,7 +31,7 @@ from pathlib import Path
 import redis
 
 from regen.common import jobspec
-from regen.common.conversation import turn_id
+from regen.common.conversation import split_turn_id, turn_id
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import manifest_epoch
 from regen.consumers.tokenize.shard_files import (
@@ -151,9 +151,9 @@ def forget_missing(r: redis.Redis, spec: jobspec.JobSpec, missing: list[str]) ->
     popping it and answering. With `--turns all` the first turn of each conversation
     with a turn missing goes too: that is how the enqueue finds a conversation to
     resume after its settled turns (producer/lost_turns.py), on the answers this
-    recovery saves from the shards. Returns the ids taken out."""
+    recovery saves from the shards. Returns how many ids were taken out."""
     if spec.turns == jobspec.TURNS_ALL:
-        firsts = {turn_id(tid.rpartition("-")[0], 0) for tid in missing}
+        firsts = {turn_id(split_turn_id(tid)[0], 0) for tid in missing}
         missing = sorted(set(missing) | firsts)
     return JobIds(r, spec.name).remove(missing)
 

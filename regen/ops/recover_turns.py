@@ -34,7 +34,12 @@ from redis.typing import EncodableT, FieldT
 
 from regen.common import defaults, keys
 from regen.common.chunk import Chunk
-from regen.common.conversation import Conversation, checkpoint_settled, turn_id
+from regen.common.conversation import (
+    Conversation,
+    checkpoint_settled,
+    split_turn_id,
+    turn_id,
+)
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
 from regen.consumers.tokenize.commit import CommitLedger
@@ -125,8 +130,7 @@ class LostAnswers:
         """Save the answers of the shard's turns (`ids`) whose conversation is lost."""
         wanted: set[str] = set()
         for batch in batches(ids):
-            # A turn id is `<conversation id>-<turn>` (common/conversation.py).
-            firsts = [turn_id(tid.rpartition("-")[0], 0) for tid in batch]
+            firsts = [turn_id(split_turn_id(tid)[0], 0) for tid in batch]
             known = self._job_ids.contains(firsts)
             wanted.update(tid for tid, is_in in zip(batch, known, strict=True) if not is_in)
         if not wanted:
@@ -151,8 +155,8 @@ class LostAnswers:
         has in shards), reading only the shards that hold them."""
         first_missing: dict[str, int] = {}
         for tid in missing:
-            conversation, _, turn = tid.rpartition("-")
-            first_missing[conversation] = min(int(turn), first_missing.get(conversation, int(turn)))
+            conversation, turn = split_turn_id(tid)
+            first_missing[conversation] = min(turn, first_missing.get(conversation, turn))
         before = [turn_id(c, turn) for c, first in first_missing.items() for turn in range(first)]
         by_shard: dict[str, list[str]] = {}
         for batch in batches(before):
