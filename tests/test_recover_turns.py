@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 import redis
-from click.testing import CliRunner
 
-from regen.cli import main
 from regen.common import keys
 from regen.common.celery_app import make_app
+from regen.common.results import GeneratedResult
 from regen.consumers.generate.turns import CRASHPOINT
 from regen.consumers.tokenize.shard_files import shard_paths
 from regen.ops.accounting import text
 from regen.producer.enqueue import Enqueuer
 from tests.generate_harness import all_acked, result_ids, results
 from tests.helpers import job_ids, wait_for
+from tests.sglang_standin.process import StandinHandle
 from tests.test_lost_chunk import regen
 from tests.test_redis_restore import dump_all, restore_all
 from tests.test_turns_stage import (
@@ -38,6 +38,38 @@ from tests.test_turns_stage import (
 pytestmark = pytest.mark.slow
 
 
+def first_turn_committed(
+    r: redis.Redis, url: str, tmp_path: Path, server: StandinHandle, out: Path, job: str
+) -> tuple[GeneratedResult, dict[str, dict[str, Any]]]:
+    """A worker that dies right after handing off a conversation's first turn, and that
+    turn committed to a shard: (its result, the shard's records)."""
+    doomed = worker(url, tmp_path, server, REGEN_CRASHPOINT=CRASHPOINT)
+    assert doomed.process.wait(timeout=120) == -signal.SIGKILL, doomed.log()
+    (first,) = results(r, job)  # a first turn handed off, then the worker died
+    committed = tokenize(r, out, job, 1)  # ... and committed to a shard
+    assert list(committed) == [first.id] and first.turn == 0
+    return first, committed
+
+
+def built_on_and_verified(
+    url: str,
+    out: Path,
+    job: str,
+    found: dict[str, dict[str, Any]],
+    first: GeneratedResult,
+    committed: dict[str, dict[str, Any]],
+) -> None:
+    """The next turn's history holds the committed turn's own answer, and `regen verify`
+    and `regen shards verify` pass."""
+    conversation = first.conversation_id
+    assert conversation is not None
+    next_turn = by_turn(found)[conversation, 1]
+    assert next_turn["messages"][-3] == committed[first.id]["messages"][-1]
+    assert verified(url, job, out)["ok"]
+    files = regen(url, "shards", "verify", str(out / job))
+    assert files.exit_code == 0, files.output
+
+
 def test_recover_resumes_conversations_after_their_committed_turns(
     redis_url: str, r: redis.Redis, tmp_path: Path, kimi_tokenizer_dir: Path, kimi_tokenizer: Any
 ) -> None:
@@ -45,17 +77,10 @@ def test_recover_resumes_conversations_after_their_committed_turns(
     copy = dump_all(r)  # the backup: the conversations' chunk queued, no turn generated
     out = tmp_path / "out"
     with kimi_standin(kimi_tokenizer_dir) as server:
-        doomed = worker(redis_url, tmp_path, server, REGEN_CRASHPOINT=CRASHPOINT)
-        assert doomed.process.wait(timeout=120) == -signal.SIGKILL, doomed.log()
-        (first,) = results(r, "k")  # a first turn handed off, then the worker died
-        assert first.turn == 0
-        committed = tokenize(r, out, "k", 1)  # ... and committed to a shard
-        assert list(committed) == [first.id]
+        first, committed = first_turn_committed(r, redis_url, tmp_path, server, out, "k")
 
         restore_all(r, copy)  # Redis comes back from the backup: the turn is unknown to it
-        recovered = CliRunner().invoke(
-            main, ["recover", "--job", "k", "--out", str(out), "--redis-url", redis_url]
-        )
+        recovered = regen(redis_url, "recover", "--job", "k", "--out", str(out))
         assert recovered.exit_code == 0, recovered.output
         assert "1 committed turn(s) of 1 conversation(s) in the chunks" in recovered.output
         assert r.sismember(keys.chunk_generated("k", first.chunk), first.id)
@@ -70,15 +95,8 @@ def test_recover_resumes_conversations_after_their_committed_turns(
     assert first.id not in after and len(after) == len(results(r, "k")) == TURNS - 1
     found = tokenize(r, out, "k", TURNS)
     assert len(found) == TURNS and len(shard_paths(out / "k")) >= 2
-    turns = by_turn(found)
-    conversation = first.conversation_id
-    assert conversation is not None
-    # The next turn's history holds the committed turn's own answer.
-    assert turns[conversation, 1]["messages"][-3] == committed[first.id]["messages"][-1]
     assert found[first.id] == committed[first.id]
-    assert verified(redis_url, "k", out)["ok"]
-    files = CliRunner().invoke(main, ["shards", "verify", str(out / "k"), "--redis-url", redis_url])
-    assert files.exit_code == 0, files.output
+    built_on_and_verified(redis_url, out, "k", found, first, committed)
     assert set(records(out / "k")) == set(found)
 
 
@@ -96,16 +114,10 @@ def test_recover_resumes_a_conversation_whose_chunk_redis_lost(
     assert len(every_turn) == TURNS
     out = tmp_path / "out"
     with kimi_standin(kimi_tokenizer_dir) as server:
-        doomed = worker(redis_url, tmp_path, server, REGEN_CRASHPOINT=CRASHPOINT)
-        assert doomed.process.wait(timeout=120) == -signal.SIGKILL, doomed.log()
-        (first,) = results(r, "l")  # a first turn handed off, then the worker died
-        committed = tokenize(r, out, "l", 1)  # ... and committed to a shard
-        assert list(committed) == [first.id] and first.turn == 0
+        first, committed = first_turn_committed(r, redis_url, tmp_path, server, out, "l")
 
         restore_all(r, copy)  # Redis comes back without the job's conversations
-        recovered = CliRunner().invoke(
-            main, ["recover", "--job", "l", "--out", str(out), "--redis-url", redis_url]
-        )
+        recovered = regen(redis_url, "recover", "--job", "l", "--out", str(out))
         assert recovered.exit_code == 0, recovered.output
         assert "answers of 1 committed turn(s) of 1 conversation(s)" in recovered.output
         stats = Enqueuer(r, make_app(redis_url), prepared, high_water=100).run(
@@ -124,14 +136,7 @@ def test_recover_resumes_a_conversation_whose_chunk_redis_lost(
     assert len(results(r, "l")) == TURNS - 1  # the committed turn not generated again
     found = tokenize(r, out, "l", TURNS)
     assert set(found) == every_turn and found[first.id] == committed[first.id]
-    conversation = first.conversation_id
-    assert conversation is not None
-    # The next turn's history holds the committed turn's own answer.
-    turns = by_turn(found)
-    assert turns[conversation, 1]["messages"][-3] == committed[first.id]["messages"][-1]
-    assert verified(redis_url, "l", out)["ok"]
-    files = CliRunner().invoke(main, ["shards", "verify", str(out / "l"), "--redis-url", redis_url])
-    assert files.exit_code == 0, files.output
+    built_on_and_verified(redis_url, out, "l", found, first, committed)
 
 
 def test_recover_resumes_a_conversation_whose_chunk_was_lost_in_kombus_window(
@@ -148,11 +153,7 @@ def test_recover_resumes_a_conversation_whose_chunk_was_lost_in_kombus_window(
     every_turn = job_ids(r, "w")
     out = tmp_path / "out"
     with kimi_standin(kimi_tokenizer_dir) as server:
-        doomed = worker(redis_url, tmp_path, server, REGEN_CRASHPOINT=CRASHPOINT)
-        assert doomed.process.wait(timeout=120) == -signal.SIGKILL, doomed.log()
-        (first,) = results(r, "w")  # a first turn handed off, then the worker died
-        committed = tokenize(r, out, "w", 1)  # ... and committed to a shard
-        assert list(committed) == [first.id] and first.turn == 0
+        first, committed = first_turn_committed(r, redis_url, tmp_path, server, out, "w")
         # The chunk goes back to its queue and is popped again; Redis dies before the
         # pop is recorded in `unacked`: the chunk is in no place.
         (tag,) = [text(t) for t in r.hkeys(keys.KOMBU_UNACKED)]
@@ -187,11 +188,4 @@ def test_recover_resumes_a_conversation_whose_chunk_was_lost_in_kombus_window(
     found_records = tokenize(r, out, "w", TURNS)
     assert set(found_records) == every_turn
     assert found_records[first.id] == committed[first.id]
-    turns = by_turn(found_records)
-    conversation = first.conversation_id
-    assert conversation is not None
-    # The next turn's history holds the committed turn's own answer.
-    assert turns[conversation, 1]["messages"][-3] == committed[first.id]["messages"][-1]
-    assert verified(redis_url, "w", out)["ok"]
-    files = regen(redis_url, "shards", "verify", str(out / "w"))
-    assert files.exit_code == 0, files.output
+    built_on_and_verified(redis_url, out, "w", found_records, first, committed)
