@@ -12,8 +12,8 @@ import orjson
 from celery import Celery
 from kombu import serialization
 
-from regen.common import defaults, settings
-from regen.common.connection import is_tls, tls_options
+from regen.common import defaults, sentinel_url, settings
+from regen.common.connection import is_tls, master_name, sentinel_options, tls_options
 
 GENERATE_TASK = "regen.generate_chunk"
 
@@ -47,8 +47,25 @@ def broker_transport_options() -> dict[str, object]:
     }
 
 
+def broker(redis_url: str) -> tuple[str, dict[str, object]]:
+    """The broker URL and transport options for regen's Redis URL.
+
+    A sentinel URL goes to kombu's sentinel transport with the primary's name
+    (`master_name`) and the sentinels' own options (`sentinel_kwargs`), rewritten so each
+    entry carries the login and database: kombu reads them off the first entry only
+    (common/sentinel_url.py), and regen's own clients must reach the same database.
+    """
+    options = broker_transport_options()
+    if not sentinel_url.is_sentinel(redis_url):
+        return redis_url, options
+    parsed = sentinel_url.parse(redis_url)
+    options.update(master_name=master_name(), sentinel_kwargs=sentinel_options())
+    return parsed.broker_url(), options
+
+
 def make_app(redis_url: str) -> Celery:
-    app = Celery("regen", broker=redis_url, set_as_current=False)
+    broker_url, transport_options = broker(redis_url)
+    app = Celery("regen", broker=broker_url, set_as_current=False)
     app.conf.update(
         # JSON only: a pickle in Redis would run code on every worker (docs/design.md,
         # "JSON, never pickle").
@@ -67,7 +84,7 @@ def make_app(redis_url: str) -> Celery:
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
-        broker_transport_options=broker_transport_options(),
+        broker_transport_options=transport_options,
         # Events on, so Flower and `celery events` see the workers.
         worker_send_task_events=True,
         task_send_sent_event=True,

@@ -12,6 +12,13 @@ HOME = ".regen"
 # Port of the embedded Redis on 127.0.0.1 (env: REGEN_EMBEDDED_PORT). Not 6379, so it
 # never collides with a Redis the machine already runs.
 EMBEDDED_REDIS_PORT = 6399
+# The name a Redis Sentinel deployment knows the primary by (env:
+# REGEN_REDIS_SENTINEL_MASTER): no default, since a sentinel:// URL with a guessed name
+# would follow the wrong primary; such a URL without it is an error (common/connection.py).
+REDIS_SENTINEL_MASTER: str | None = None
+# The sentinels' own password (`requirepass` in sentinel.conf; env:
+# REGEN_REDIS_SENTINEL_PASSWORD), when they ask for one; the primary's is in the URL.
+REDIS_SENTINEL_PASSWORD: str | None = None
 # Where the tokenizer worker writes shards (env: REGEN_OUT).
 OUT_DIR = "regen-out"
 

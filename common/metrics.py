@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from regen.common import jobspec, keys
+from regen.common import connection, jobspec, keys
 
 log = logging.getLogger("regen.metrics")
 
@@ -112,7 +112,7 @@ class WorkerMetrics:
         Info("regen_worker", "This worker.", registry=self.registry).info(
             {"name": name, "kind": kind}
         )
-        r = redis.Redis.from_url(
+        r = connection.client(
             redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
         )
         self._closers.append(r.close)

@@ -30,6 +30,9 @@ class Settings:
     embedded_port: int = defaults.EMBEDDED_REDIS_PORT
     # The Redis of a command given no --redis-url; None: the embedded one.
     redis_url: str | None = None
+    # For a sentinel:// redis_url: the primary's name and the sentinels' own password.
+    redis_sentinel_master: str | None = defaults.REDIS_SENTINEL_MASTER
+    redis_sentinel_password: str | None = defaults.REDIS_SENTINEL_PASSWORD
     # Every process on one broker must agree on it (common.celery_app).
     visibility_timeout_s: int = defaults.VISIBILITY_TIMEOUT_S
     restore_interval_s: float = defaults.UNACKED_RESTORE_INTERVAL_S
@@ -72,6 +75,8 @@ VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "REGEN_HOME": ("home", Path),
     "REGEN_EMBEDDED_PORT": ("embedded_port", int),
     REDIS_URL_VARIABLE: ("redis_url", str),
+    "REGEN_REDIS_SENTINEL_MASTER": ("redis_sentinel_master", str),
+    "REGEN_REDIS_SENTINEL_PASSWORD": ("redis_sentinel_password", str),
     "REGEN_VISIBILITY_TIMEOUT": ("visibility_timeout_s", int),
     "REGEN_RESTORE_INTERVAL": ("restore_interval_s", float),
     "REGEN_RESTORE_THROTTLE": ("restore_throttle", int),

@@ -22,6 +22,7 @@ from regen import (
     cli_worker,
 )
 from regen.common import settings
+from regen.common.sentinel_url import RedisUrlError
 
 
 class _Regen(click.Group):
@@ -35,6 +36,8 @@ class _Regen(click.Group):
                 f"Redis refused the login ({exc}): check the user and password in "
                 "REGEN_REDIS_URL or --redis-url (redis://[USER]:PASSWORD@HOST:PORT/DB)"
             ) from None
+        except RedisUrlError as exc:
+            raise click.ClickException(f"REGEN_REDIS_URL or --redis-url: {exc}") from None
 
 
 @click.group(

@@ -107,8 +107,9 @@ def redis_url_option(func: F) -> F:
         "--redis-url",
         envvar="REGEN_REDIS_URL",
         metavar="URL",
-        help="redis://[:password@]host:port/db or rediss:// for TLS "
-        "(env REGEN_REDIS_URL; default: the embedded Redis).",
+        help="redis://[:password@]host:port/db, rediss:// for TLS, or "
+        "sentinel://[:password@]host:26379;sentinel://host2:26379/db with "
+        "REGEN_REDIS_SENTINEL_MASTER (env REGEN_REDIS_URL; default: the embedded Redis).",
     )(func)
 
 

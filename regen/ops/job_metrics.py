@@ -24,7 +24,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from regen.common import defaults
+from regen.common import connection, defaults
 from regen.common.heartbeat import worker_name
 from regen.common.metrics import REDIS_TIMEOUT_S, WorkerMetrics
 from regen.ops import status_snapshot
@@ -237,7 +237,7 @@ def job_metrics(redis_url: str, refresh_s: float = defaults.JOB_METRICS_REFRESH_
     """The registry `regen metrics serve` serves: the DLQ sizes every worker has, and the
     job-wide metrics above."""
     metrics = WorkerMetrics(worker_name("metrics"), "metrics", redis_url)
-    r = redis.Redis.from_url(
+    r = connection.client(
         redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
     )
     metrics.on_close(r.close)
