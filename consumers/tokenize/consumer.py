@@ -79,6 +79,31 @@ def free_bytes(folder: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
+def group_lost(exc: redis.ResponseError) -> bool:
+    """The error of a read whose stream or group Redis no longer has: NOGROUP, or
+    UNBLOCKED for a read that was waiting when the stream went (deleted, or the server
+    demoted to a replica under it)."""
+    return str(exc).startswith(("NOGROUP", "UNBLOCKED"))
+
+
+def ensure_group(r: redis.Redis, stream: str) -> None:
+    """The tokenize group on `stream` (and the stream), if not there already.
+
+    From id 0, the stream's start, both for a new job and for a group Redis lost: the
+    stream holds only results not yet committed (a commit deletes its entries), so this
+    reads again at most the job's uncommitted window, never the whole job; and what is
+    read again is harmless: ids the commit ledger holds are acked as duplicates, and ids
+    in this consumer's open shard are recognized there (JobWriter.take). From `$`
+    instead, the entries written before the group came back (those a restored copy
+    holds, and any added while it was gone) would never be read: prompts in no place.
+    """
+    try:
+        r.xgroup_create(stream, keys.TOKENIZE_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
 class TokenizeConsumer:
     def __init__(self, r: redis.Redis, options: TokenizeOptions, name: str) -> None:
         self._r = r
@@ -90,6 +115,7 @@ class TokenizeConsumer:
         self._next_claim = 0.0
         self._next_takeover = 0.0
         self._refused: set[str] = set()
+        self._groups_lost = False
         check_writable(options.out_dir)  # raises UnwritableFolder, before any Redis work
         self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
 
@@ -133,13 +159,7 @@ class TokenizeConsumer:
             on_truncated=self._options.on_truncated,
             drift_check=self._options.drift_check,
         )
-        try:
-            self._r.xgroup_create(
-                keys.results_stream(job), keys.TOKENIZE_GROUP, id="0", mkstream=True
-            )
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        ensure_group(self._r, keys.results_stream(job))
         self._r.hset(
             keys.TOKENIZE_OUTPUTS,
             job,
@@ -175,10 +195,28 @@ class TokenizeConsumer:
                     log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
                     self._after_outage()
                     stop.wait(delay)
+                except redis.ResponseError as exc:
+                    if not group_lost(exc):
+                        raise
+                    delay = REDIS_RETRY.delay(failures) if failures else 0.0
+                    failures += 1
+                    log.warning("the results group is gone (%s); creating it again", exc)
+                    # At the next step's start, where an outage meanwhile is waited out.
+                    self._groups_lost = True
+                    stop.wait(delay)
                 else:
                     failures = 0
         finally:
             self.commit_all()
+
+    def _recreate_groups(self) -> None:
+        """Redis lost a results stream's consumer group (restored from an older copy, a
+        replica promoted without it, the stream deleted): create it again, from the
+        stream's start, and go on as after an outage."""
+        for writer in self.state.writers.values():
+            ensure_group(self._r, writer.stream)
+        self._groups_lost = False
+        self._after_outage()
 
     def _after_outage(self) -> None:
         """A read whose reply was lost still moved entries to this consumer: re-read its
@@ -189,6 +227,8 @@ class TokenizeConsumer:
 
     def step(self) -> None:
         """One round: housekeeping, a blocking read, commits that are due."""
+        if self._groups_lost:
+            self._recreate_groups()
         now = time.monotonic()
         if now >= self._next_recover:
             self._next_recover = now + RECOVER_INTERVAL_S
