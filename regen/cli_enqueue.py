@@ -70,6 +70,7 @@ def enqueue(
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.common.celery_app import make_app
     from regen.producer.enqueue import Enqueuer, expand_datasets
+    from regen.producer.outages import run_through_outages
     from regen.producer.progress import ProgressDisplay, nothing_to_generate, summary
     from regen.producer.spec import save_job
 
@@ -90,8 +91,13 @@ def enqueue(
     files = expand_datasets(list(datasets))
     gc_tuning.tune_for_throughput()  # start-up is done: the tokenizer is loaded
     with ProgressDisplay() as progress:
-        enqueuer = Enqueuer(r, enqueuer_app, prepared, high_water=high_water, on_progress=progress)
-        stats = enqueuer.run(files, limit=limit)
+        stats = run_through_outages(
+            lambda: Enqueuer(
+                r, enqueuer_app, prepared, high_water=high_water, on_progress=progress
+            ),
+            files,
+            limit=limit,
+        )
     click.echo(summary(stats, options.job))
     if not r.hlen(keys.job_chunks(options.job)):  # no chunk ever published: nothing runs
         click.echo(nothing_to_generate(stats, options.job, len(files)), err=True)

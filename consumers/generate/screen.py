@@ -27,13 +27,17 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 
+from regen.common import sentinel_url
 from regen.consumers.generate.poison import PoisonFilter
 
 
-def screening_transport(screen: PoisonFilter) -> type[kombu_redis.Transport]:
-    """kombu's Redis transport, with every BRPOP reply passed through `screen` first."""
+def screening_transport(
+    screen: PoisonFilter, base: type[kombu_redis.Transport] = kombu_redis.Transport
+) -> type[kombu_redis.Transport]:
+    """kombu's Redis transport `base` (plain, or Sentinel's), with every BRPOP reply
+    passed through `screen` first."""
 
-    class ScreeningChannel(kombu_redis.Channel):  # type: ignore[misc]
+    class ScreeningChannel(base.Channel):  # type: ignore[misc,name-defined]
         def _create_client(self, asynchronous: bool = False) -> Any:
             if self.connection is None:
                 # Celery closed this channel when its connection was lost (keeping what
@@ -59,12 +63,18 @@ def screening_transport(screen: PoisonFilter) -> type[kombu_redis.Transport]:
             client.set_response_callback("BRPOP", screened)
             return client
 
-    class ScreeningTransport(kombu_redis.Transport):  # type: ignore[misc]
+    class ScreeningTransport(base):  # type: ignore[misc,valid-type]
         Channel = ScreeningChannel
 
     return ScreeningTransport
 
 
 def install(app: Celery, screen: PoisonFilter) -> None:
-    """Make `app`'s connections (the worker's consumer among them) screen what they pop."""
-    app.conf.broker_transport = screening_transport(screen)
+    """Make `app`'s connections (the worker's consumer among them) screen what they pop.
+
+    On the transport the broker URL names: a sentinel:// URL needs kombu's Sentinel
+    transport, which asks the sentinels for the primary (the plain one would send
+    commands to a sentinel)."""
+    sentinel = sentinel_url.is_sentinel(str(app.conf.broker_url))
+    base = kombu_redis.SentinelTransport if sentinel else kombu_redis.Transport
+    app.conf.broker_transport = screening_transport(screen, base)
