@@ -182,7 +182,9 @@ def test_every_broker_client_uses_the_password_and_one_visibility_timeout() -> N
     clients["flower"] = SERVICES["flower"]["environment"]
     for name, env in clients.items():
         url = env.get("REGEN_REDIS_URL") or env["CELERY_BROKER_URL"]
-        assert url.startswith("redis://:${REDIS_PASSWORD") and "@redis:6379/" in url, name
+        # The compose Redis unless .env points regen at the `ha` profile's sentinels.
+        assert url.startswith("${REGEN_REDIS_URL:-redis://:${REDIS_PASSWORD"), name
+        assert "@redis:6379/" in url, name
         # The chunk lease: kombu restores a message not renewed for longer, wherever its
         # sweep runs, so every process must agree.
         timeout = env["REGEN_VISIBILITY_TIMEOUT"]
@@ -329,3 +331,35 @@ def test_grafana_is_provisioned_with_the_data_source_and_dashboards_regen_ships(
     for panel in dashboards[0]["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+
+
+# --- the `ha` profile: Redis Sentinel (docs/operations.md, "Redis Sentinel") ----------------
+
+
+def test_the_ha_profile_runs_a_replica_with_the_primarys_settings_and_three_sentinels() -> None:
+    replica = SERVICES["redis-replica"]
+    assert replica["profiles"] == ["ha"]
+    primary = as_argv(SERVICES["redis"]["command"])
+    argv = as_argv(replica["command"])
+    # Every setting of the primary (persistence, noeviction, password), as its replica.
+    assert argv[: len(primary)] == primary
+    assert options_of(argv)["--replicaof"] == "redis"
+    assert "--masterauth" in primary, "a primary that comes back as a replica must log in"
+    sentinels = [name for name in SERVICES if name.startswith("sentinel-")]
+    assert len(sentinels) == 3
+    for name in sentinels:
+        service = SERVICES[name]
+        assert service["profiles"] == ["ha"]
+        conf = "\n".join(as_argv(service["command"]))
+        assert re.search(r"sentinel monitor regen redis 6379 2\b", conf), name
+        assert "sentinel auth-pass regen $$REDIS_PASSWORD" in conf, name
+        assert "redis-sentinel" in conf, name
+
+
+def test_regen_services_can_be_pointed_at_the_sentinels() -> None:
+    for name in regen_services():
+        env = SERVICES[name]["environment"]
+        assert env["REGEN_REDIS_URL"].startswith("${REGEN_REDIS_URL:-redis://"), name
+        assert env["REGEN_REDIS_SENTINEL_MASTER"] == "${REGEN_REDIS_SENTINEL_MASTER:-}", name
+    flower_config = COMPOSE["configs"]["flower-celeryconfig"]["content"]
+    assert 'broker_transport_options["master_name"]' in flower_config
