@@ -21,6 +21,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    def __init__(self, port: int) -> None:
+        super().__init__(f"redis-server could not hold port {port}: another process has it")
+
+
 @dataclass
 class RedisServer:
     data_dir: Path
@@ -38,16 +43,41 @@ class RedisServer:
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
+        try:
+            while True:
+                try:
+                    answering = int(client.info("server")["process_id"])
+                except redis.AuthenticationError:
+                    return self  # up, and asking for the password it was started with
+                except redis.ConnectionError:
+                    if self.process.poll() is not None:
+                        # Most often the port: bind fails when another process holds it.
+                        raise PortTaken(self.port) from None
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("test redis-server did not start") from None
+                    time.sleep(0.02)
+                    continue
+                if answering != self.process.pid:
+                    # Tests run in parallel processes: another one's server holds the port.
+                    self.process.kill()
+                    self.process.wait()
+                    self.process = None
+                    raise PortTaken(self.port)
                 return self
-            except redis.AuthenticationError:
-                return self  # up, and asking for the password it was started with
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("test redis-server did not start") from None
-                time.sleep(0.02)
+        finally:
+            client.close()
+
+    @classmethod
+    def on_free_port(cls, data_dir: Path, *extra_args: str) -> RedisServer:
+        """Started on a free port, another one tried if a parallel test takes it first
+        (free_port's port is free only until someone binds it)."""
+        for attempt in range(5):
+            try:
+                return cls(data_dir=data_dir, port=free_port(), extra_args=extra_args).start()
+            except PortTaken:
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
@@ -65,7 +95,7 @@ class RedisServer:
 
 @contextlib.contextmanager
 def running_redis(data_dir: Path, *extra_args: str) -> Iterator[RedisServer]:
-    server = RedisServer(data_dir=data_dir, port=free_port(), extra_args=extra_args).start()
+    server = RedisServer.on_free_port(data_dir, *extra_args)
     try:
         yield server
     finally:

@@ -39,7 +39,7 @@ from tests.helpers import (
     wait_for,
     write_jsonl,
 )
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
 from tests.sglang_standin.process import run_standin
 from tests.test_tokenize_stage import InProcess, options, push
 
@@ -114,7 +114,7 @@ def job_settled(r: redis.Redis) -> bool:
 def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_recovers(
     tmp_path: Path,
 ) -> None:
-    server = RedisServer(data_dir=tmp_path / "redis", port=free_port()).start()
+    server = RedisServer.on_free_port(tmp_path / "redis")
     url = server.url
     r = redis.Redis.from_url(url)
     out = tmp_path / "out"

@@ -29,7 +29,7 @@ from regen.consumers.generate.lease import LeaseLost
 from regen.consumers.generate.runner import EngineRunner
 from tests.generate_harness import results
 from tests.helpers import queued_chunks, write_jsonl
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
 from tests.test_enqueue import enqueue
 from tests.test_lease import TAG, deliver
 from tests.test_redis_restore import dump_all, restore_all
@@ -242,7 +242,7 @@ def test_a_conversation_goes_on_through_a_redis_restart(
 ) -> None:
     """Redis is SIGKILLed as turn 1's answer comes back and restarted on its AOF a
     second later: the hand-off waits it out, and the chunk ends with every turn once."""
-    server = RedisServer(data_dir=tmp_path / "redis", port=free_port()).start()
+    server = RedisServer.on_free_port(tmp_path / "redis")
     restarts: list[threading.Thread] = []
     runner: EngineRunner | None = None
     try:

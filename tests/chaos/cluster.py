@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 
 from tests.generate_harness import Worker
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
 
 # Leases shortened from 100 s (chunks) and 60 s (shard claims) so that a frozen or dead
 # worker's work comes back within a seed; each is renewed four times a lease.
@@ -44,7 +44,7 @@ class Redis:
     """A redis-server on its own port and folder, append-only with an fsync per write."""
 
     def __init__(self, folder: Path) -> None:
-        self.server = RedisServer(data_dir=folder, port=free_port()).start()
+        self.server = RedisServer.on_free_port(folder)
         self.url = self.server.url
         self.client = redis.Redis.from_url(self.url)
 
