@@ -174,3 +174,24 @@ HEARTBEAT_INTERVAL_MAX_S = 10.0
 # A tokenize consumer's claim on a shard's ids lasts this long before another consumer
 # may resolve it (env REGEN_SHARD_LEASE_S); the owner renames only with half of it left.
 SHARD_CLAIM_LEASE_S = 120.0
+
+# --- healing (`regen enqueue --follow`, the tokenize stage's own recovery) -----------
+# The follower looks at its job this often (env REGEN_FOLLOW_POLL_S): a pass is one
+# O(window) count (regen/ops/accounting.py), so every 30 s costs Redis little, and a lost
+# chunk is queued again within poll + grace + poll, about 3 minutes: "a few minutes",
+# against answers of 1-8 minutes and jobs of weeks.
+FOLLOW_POLL_S = 30.0
+# Ids in no place are queued again only when two readings this far apart both find them
+# there (env REGEN_FOLLOW_GRACE_S). A chunk kombu is delivering is in no place for one
+# round trip (plus the generate worker's screen, well under a second); 90 s is far above
+# that and above a Redis restart or Sentinel failover (4 s measured), while a worker
+# stopped longer (SIGSTOP, a VM paused) has its chunk queued again: when it wakes, the
+# chunk lease and the commit ledger keep its prompts' answers once (docs/design.md).
+FOLLOW_GRACE_S = 90.0
+# The follower's heartbeat key lives this long without renewal: three passes, so one
+# slow pass never shows the job as unfollowed.
+FOLLOW_HEARTBEAT_TTL_S = 3 * FOLLOW_POLL_S
+# A tokenize worker's lock on a job's recovery expires this long after its last renewal
+# (renewed at a third of it while recovery runs): a worker killed mid-recovery lets
+# another take it over within a minute; recovery is safe to run again.
+RECOVER_LOCK_TTL_S = 60.0

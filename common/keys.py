@@ -177,6 +177,26 @@ def job_epoch(job: str) -> str:
     return _job(job, "epoch")
 
 
+def job_behind(job: str) -> str:
+    """String: set by a tokenize worker that found Redis behind the job's shard folder,
+    until the recovery it runs (regen/ops/recover.py) deletes it. The job's follower
+    (`regen enqueue --follow`) forgets no id and queues nothing while it is set."""
+    return _job(job, "behind")
+
+
+def job_recover_lock(job: str) -> str:
+    """String with an expiry: the tokenize worker running the job's recovery holds it
+    (consumers/tokenize/self_recovery.py), so that workers finding Redis behind at once
+    run it once."""
+    return _job(job, "recover:lock")
+
+
+def job_follower(job: str) -> str:
+    """String with an expiry: JSON of the job's live follower (`regen enqueue --follow`),
+    renewed at each of its passes; `regen status` flags an unfinished job without one."""
+    return _job(job, "follower")
+
+
 def dlq(job: str, stage: str) -> str:
     """Hash: entry id -> JSON dead-letter entry of one stage."""
     if stage not in STAGES:

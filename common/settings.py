@@ -39,6 +39,10 @@ class Settings:
     restore_throttle: int = defaults.UNACKED_RESTORE_THROTTLE
     heartbeat_stale_s: float = defaults.HEARTBEAT_STALE_AFTER_S
     shard_lease_s: float = defaults.SHARD_CLAIM_LEASE_S
+    # `regen enqueue --follow`: between passes, and the grace before ids in no place are
+    # queued again (common.defaults).
+    follow_poll_s: float = defaults.FOLLOW_POLL_S
+    follow_grace_s: float = defaults.FOLLOW_GRACE_S
     # The named point where a crash test makes this process kill itself (crashpoints).
     crashpoint: str | None = None
 
@@ -82,10 +86,12 @@ VARIABLES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "REGEN_RESTORE_THROTTLE": ("restore_throttle", int),
     "REGEN_HEARTBEAT_STALE_S": ("heartbeat_stale_s", float),
     "REGEN_SHARD_LEASE_S": ("shard_lease_s", float),
+    "REGEN_FOLLOW_POLL_S": ("follow_poll_s", float),
+    "REGEN_FOLLOW_GRACE_S": ("follow_grace_s", float),
     "REGEN_CRASHPOINT": ("crashpoint", str),
 }
 _POSITIVE = {"visibility_timeout_s", "restore_interval_s", "restore_throttle",
-             "heartbeat_stale_s", "shard_lease_s"}  # fmt: skip
+             "heartbeat_stale_s", "shard_lease_s", "follow_poll_s", "follow_grace_s"}  # fmt: skip
 _KINDS: dict[Callable[[str], Any], str] = {int: "an integer", float: "a number"}
 
 

@@ -10,6 +10,7 @@ from regen.common import connection, defaults, gc_tuning, jobspec, keys
 from regen.options import int_option, job_options, prepare_job_or_fail, redis_url_option
 
 if TYPE_CHECKING:
+    from regen.producer.enqueue_stats import EnqueueStats
     from regen.producer.spec import JobOptions
 
 # JobOptions' fields that only `enqueue` sets; `plan` counts with the target's alone.
@@ -54,18 +55,30 @@ ENQUEUE_ONLY = (
     envvar="REGEN_HIGH_WATER",
     help="Block while the job has this many chunks waiting in Redis.",
 )
+@click.option(
+    "--follow",
+    is_flag=True,
+    help=(
+        "After publishing, stay with the job until every prompt is committed or "
+        "dead-lettered, queueing again what a failure lost (a chunk lost in kombu's "
+        "window, a Redis restored behind the disk). Without it the command returns once "
+        "the job is published."
+    ),
+)
 @redis_url_option
 def enqueue(
     datasets: tuple[str, ...],
     options: JobOptions,
     limit: int | None,
     high_water: int,
+    follow: bool,
     redis_url: str | None,
 ) -> None:
     """Enqueue DATASETS (JSONL, .jsonl.zst/.gz, JSON arrays, Parquet) into job --job.
 
     Safe to rerun: prompts already in the job are skipped, and after a crash the same
-    command continues where it stopped.
+    command continues where it stopped. With --follow it heals the job until it is done
+    (docs/design.md, "Healing").
     """
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.common.celery_app import make_app
@@ -90,6 +103,31 @@ def enqueue(
     enqueuer_app = make_app(url)
     files = expand_datasets(list(datasets))
     gc_tuning.tune_for_throughput()  # start-up is done: the tokenizer is loaded
+    if follow:
+        from regen.producer.follow import Follower
+
+        def publish() -> None:
+            with ProgressDisplay() as progress:
+
+                def on_progress(stats: EnqueueStats) -> None:
+                    progress(stats)
+                    follower.beat_if_due()  # a long pass keeps the job followed
+
+                stats = run_through_outages(
+                    lambda: Enqueuer(
+                        r, enqueuer_app, prepared, high_water=high_water, on_progress=on_progress
+                    ),
+                    files,
+                    limit=limit,
+                )
+            click.echo(summary(stats, options.job))
+
+        follower = Follower(r, options.job, publish, lambda: save_job(r, prepared))
+        click.echo(f"job {options.job}: following it until every prompt has a place", err=True)
+        follower.run()
+        click.echo(f"job {options.job}: every prompt has a place; {follower.requeued} "
+                   "prompt(s) found in no place were queued again")  # fmt: skip
+        return
     with ProgressDisplay() as progress:
         stats = run_through_outages(
             lambda: Enqueuer(

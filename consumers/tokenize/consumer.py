@@ -30,6 +30,7 @@ from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
+from regen.consumers.tokenize.self_recovery import recover_behind
 from regen.consumers.tokenize.shard_files import check_writable
 from regen.consumers.tokenize.takeover import (
     claim_from,
@@ -131,6 +132,8 @@ class TokenizeConsumer:
                     self._note_behind(job, exc)
                     continue
                 except jobspec.JobSpecError as exc:  # e.g. a job of an older regen's layout
+                    if job not in jobspec.list_jobs(self._r):
+                        continue  # its spec is gone (a Redis that lost everything): not yet
                     log.error("job %s: %s; skipping it", job, exc)
                     self._refused.add(job)
                     continue
@@ -318,8 +321,12 @@ class TokenizeConsumer:
         self._note_behind(writer.job, exc)
 
     def _note_behind(self, job: str, exc: RedisBehind) -> None:
+        """Redis is behind the job's shard folder: rebuild the ledger here, once across
+        the workers (self_recovery.py), and take the job up again at the next refresh."""
         self.state.behind[job] = str(exc)
         log.error("%s", exc)
+        if recover_behind(self._r, job, self._options.out_dir / job, self.name) is not None:
+            self._next_recover = 0.0
 
     def _take_over_dead(self) -> None:
         beats = last_seen(self._r)

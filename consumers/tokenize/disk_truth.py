@@ -7,9 +7,10 @@ counter hands out their numbers a second time. A writer that went on would write
 ids twice (and, renaming over a name, destroy a committed shard). So the tokenize stage
 checks, when it opens a job and before each commit, that Redis knows every shard file
 (in place or pending) and that its epoch is not older than the newest the manifest
-records, and stops writing the job otherwise, naming the fix: `regen recover`
-(regen/ops/recover.py), which rebuilds the ledger from the folder. `regen status` runs the
-same check where it can read the folder.
+records, and stops writing the job otherwise until the ledger is rebuilt from the
+folder (regen/ops/recover.py): the tokenize worker that finds it runs that itself, once
+across the workers (self_recovery.py); an operator may run it as `regen recover`.
+`regen status` runs the same check where it can read the folder.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def behind_error(job: str, folder: Path, problem: str) -> RedisBehind:
     """The refusal of a writer that found Redis behind the disk, naming the fix."""
     return RedisBehind(
         f"job {job}: Redis is behind the shards in {folder}: {problem}. It was restored "
-        "from an older copy or failed over to a lagging replica, so this job is no longer "
-        f"written (nothing is overwritten or written twice). Fix: `{recover_command(job, folder)}`"
-        ", then run the job's `regen enqueue` command again."
+        "from an older copy or failed over to a lagging replica, so this job is not written "
+        "until its ledger is rebuilt from the folder (nothing is overwritten or written "
+        "twice). The tokenize stage rebuilds it by itself (self_recovery.py) and the job's "
+        "`regen enqueue --follow` queues what Redis lost; by hand: "
+        f"`{recover_command(job, folder)}`, then the job's `regen enqueue` command."
     )
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import redis
 
-from regen.common import jobspec
+from regen.common import jobspec, keys
 from regen.common.conversation import split_turn_id, turn_id
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.disk_truth import manifest_epoch
@@ -139,6 +139,8 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
     if lost is not None:
         report.answers_saved, report.conversations_saved = lost.turns, len(lost.conversations)
     report.cursors_dropped = reread_from_start(r, job)
+    # The ledger is whole again: the job's follower may forget ids and queue again.
+    r.delete(keys.job_behind(job))
     return report
 
 
