@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import redis
 from click.testing import CliRunner
 
@@ -143,3 +144,19 @@ def test_a_one_shot_enqueue_returns_once_published(redis_url: str, tmp_path: Pat
     r = redis.Redis.from_url(redis_url)
     assert len(queued_prompts(r)) == 3  # published, nothing generated: it returned anyway
     assert not r.exists(keys.job_follower("j")), "no follower left behind"
+
+
+def test_status_names_the_follower_an_unfinished_job_lacks(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    enqueue(redis_url, [write_jsonl(tmp_path / "q.jsonl", [{"prompt": "Q?"}])])
+
+    def flags() -> list[str]:
+        shown = CliRunner().invoke(main, ["status", "--job", "j", "--json",
+                                          "--redis-url", redis_url])  # fmt: skip
+        assert shown.exit_code == 0, shown.output
+        return list(orjson.loads(shown.output)["jobs"][0]["flags"])
+
+    assert any("run the job's enqueue command with --follow" in flag for flag in flags())
+    Follower(r, "j", lambda: None, lambda: None, poll_s=30.0).beat()
+    assert not any("--follow" in flag for flag in flags())

@@ -107,6 +107,12 @@ def job_status(
     if mixed:
         flags.append(mixed)
     flags += refusals.warnings(r, job, {w["name"] for w in live})
+    if remaining and not r.exists(keys.job_follower(job)):
+        flags.append(
+            "no `regen enqueue --follow` is following this unfinished job: prompts a failure "
+            "loses (a chunk lost in kombu's window, a Redis rollback) are not queued again; "
+            "run the job's enqueue command with --follow"
+        )
     if counts.unplaced:
         flags.append(
             f"{counts.unplaced:+} prompt(s) in no place by these counts: "
