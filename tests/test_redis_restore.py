@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -111,7 +110,7 @@ def job_settled(r: redis.Redis) -> bool:
 
 
 @pytest.mark.slow
-def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_recovers(
+def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_heals_itself(
     tmp_path: Path,
 ) -> None:
     server = RedisServer.on_free_port(tmp_path / "redis")
@@ -120,7 +119,14 @@ def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_recovers(
     out = tmp_path / "out"
     folder = out / JOB
     dataset = write_jsonl(tmp_path / "sea.jsonl", [{"prompt": p} for p in PROMPTS])
-    assert regen(url, *enqueue_args(dataset)).exit_code == 0
+    # The job's producer follows it (short poll and grace): no operator command runs.
+    follow_log = tmp_path / "follow.log"
+    follow_env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_REDIS_URL": url,
+                  "REGEN_FOLLOW_POLL_S": "1", "REGEN_FOLLOW_GRACE_S": "5"}  # fmt: skip
+    with open(follow_log, "ab") as log:
+        command = [sys.executable, "-m", "regen", *enqueue_args(dataset), "--follow"]
+        follower = subprocess.Popen(command, env=follow_env, stdout=log, stderr=log)
+    wait_for(lambda: r.exists(keys.job_follower(JOB)), timeout=60, what="the follower")
     tokenize = TokenizeWorker(url, out, tmp_path / "tokenize.log")
     try:
         # Slow answers (12 tokens at 40 tok/s) and one chunk at a time: the job runs long
@@ -164,20 +170,17 @@ def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_recovers(
                 wait_for(refused_or_overwritten, timeout=240, what="a refusal or an overwrite")
                 now = checksums(folder)
                 assert {name: now.get(name) for name in before} == before, "a shard was replaced"
-                status = regen(url, "status", "--job", JOB, "--json")
-                assert f"regen recover --job {JOB}" in status.output, status.output
 
-                recovered = regen(url, "recover", "--job", JOB, "--out", str(out))
-                assert recovered.exit_code == 0, recovered.output
-                assert re.search(r"Redis had lost [1-9]\d* shard", recovered.output)
-                again = regen(url, *enqueue_args(dataset))
-                assert again.exit_code == 0, again.output
-
+                # The tokenize worker rebuilds the ledger, the follower queues what Redis
+                # lost, and exits once every prompt has a place.
                 def finished() -> bool:
                     keep_alive()
-                    return job_settled(r)
+                    return follower.poll() is not None
 
-                wait_for(finished, timeout=300, what="the job to finish after the recovery")
+                wait_for(finished, timeout=300, what="the follower to see the job finished")
+                assert follower.returncode == 0, follow_log.read_text(errors="replace")
+                assert job_settled(r)
+                assert "rebuilding its ledger" in tokenize.text()
             finally:
                 for worker in workers:
                     worker.stop()
@@ -190,6 +193,8 @@ def test_redis_restored_from_a_mid_job_copy_overwrites_no_shard_and_recovers(
         after = checksums(folder)
         assert {name: after.get(name) for name in before} == before
     finally:
+        if follower.poll() is None:
+            follower.kill()
         tokenize.stop()
         server.kill()
 
