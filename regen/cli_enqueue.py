@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 import click
@@ -39,6 +40,14 @@ ENQUEUE_ONLY = (
         ),
     ),
 )
+
+
+class _Stopped(Exception):
+    """SIGTERM reached `regen enqueue --follow`."""
+
+
+def _stop_following(signum: int, frame: object) -> None:
+    raise _Stopped
 
 
 @click.command()
@@ -124,7 +133,17 @@ def enqueue(
 
         follower = Follower(r, options.job, publish, lambda: save_job(r, prepared))
         click.echo(f"job {options.job}: following it until every prompt has a place", err=True)
-        follower.run()
+        # Stopped as a service is (SIGTERM): a clean exit, its key gone at once so that
+        # `regen status` says the job is unfollowed. Anywhere is safe to stop at: the
+        # enqueue resumes from Redis (docs/design.md, Invariants).
+        signal.signal(signal.SIGTERM, _stop_following)
+        try:
+            follower.run()
+        except _Stopped:
+            r.delete(keys.job_follower(options.job))
+            click.echo(f"job {options.job}: stopped following it; rerun the same command "
+                       "to follow it again", err=True)  # fmt: skip
+            return
         click.echo(f"job {options.job}: every prompt has a place; {follower.requeued} "
                    "prompt(s) found in no place were queued again")  # fmt: skip
         return

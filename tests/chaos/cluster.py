@@ -1,9 +1,11 @@
 """The processes of one chaos run: a Redis that can be killed, restarted and rolled back,
-and the generate and tokenize workers, kept running as a supervisor would.
+and the generate and tokenize workers and the job's follower (`regen enqueue --follow`),
+kept running as a supervisor would.
 
 The supervisor restarts a worker that died, as compose's `restart: on-failure` and
 systemd do; a worker that exits 0 while the job runs is never restarted by them, so it
-is recorded as a violation (a fault must end a worker non-zero, or not at all).
+is recorded as a violation (a fault must end a worker non-zero, or not at all). The
+follower alone exits 0 by design, once every prompt has a place: it is left down then.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-from tests.generate_harness import Worker
+from tests.generate_harness import REPO, Worker
 from tests.redis_server import RedisServer
 
 # Leases shortened from 100 s (chunks) and 60 s (shard claims) so that a frozen or dead
@@ -72,6 +76,38 @@ class Redis:
         shutil.rmtree(self.server.data_dir, ignore_errors=True)
 
 
+class Follower:
+    """The job's `regen enqueue ARGS --follow` as a subprocess in its own process group,
+    with a worker's interface (process, name, kill, stop), its log in a file."""
+
+    def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str]) -> None:
+        self.kind = "producer"
+        self.log_path = log_dir / f"follower-{len(list(log_dir.glob('follower-*')))}.log"
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "regen", "enqueue", *args, "--follow", "--redis-url", url],
+                env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return f"follower:{self.process.pid}"
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 @dataclass
 class Slot:
     """One worker place: the process now in it, and what the ones before it did."""
@@ -80,7 +116,7 @@ class Slot:
     args: tuple[str, ...]
     env: dict[str, str]
     crashpoint: str | None = None
-    worker: Worker | None = None
+    worker: Worker | Follower | None = None
     exits: list[int] = field(default_factory=list)
     died_at: float | None = None
 
@@ -105,7 +141,10 @@ class Workers:
         if slot.crashpoint is not None:
             env["REGEN_CRASHPOINT"] = slot.crashpoint
             slot.crashpoint = None  # the next process runs through
-        slot.worker = Worker(self.url, self.log_dir, *slot.args, env=env, kind=slot.kind)
+        if slot.kind == "producer":
+            slot.worker = Follower(self.url, self.log_dir, *slot.args, env=env)
+        else:
+            slot.worker = Worker(self.url, self.log_dir, *slot.args, env=env, kind=slot.kind)
         slot.died_at = None
 
     def of_kind(self, kind: str) -> list[Slot]:
@@ -123,6 +162,11 @@ class Workers:
             code = slot.worker.process.poll()
             if code is None:
                 continue
+            if code == 0 and slot.kind == "producer":
+                if slot.died_at is None:
+                    slot.died_at = now
+                    slot.exits.append(code)
+                continue  # the follower left, every prompt placed: not restarted
             if slot.died_at is None:
                 slot.died_at = now
                 slot.exits.append(code)

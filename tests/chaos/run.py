@@ -2,7 +2,8 @@
 
 Real parts only: a real redis-server (append-only, fsync per write), `regen worker
 generate` and `regen worker tokenize` processes, the SGLang stand-in over HTTP, the
-`regen` commands an operator runs (enqueue, recover, verify, shards verify, export).
+`regen` commands an operator runs (enqueue, verify, shards verify, export), and the job's
+`regen enqueue --follow`, which heals what a fault lost with no operator command.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -67,8 +67,9 @@ WEATHER_TOOL = {
     },
 }
 SETTLE_TIMEOUT_S = 240
-# Open ids with nothing in flight for this long: a chunk lost, the operator steps in.
-QUIET_S = 10
+# The follower's pace (REGEN_FOLLOW_*): small, so a lost chunk comes back within a seed.
+FOLLOW_POLL_S = 1
+FOLLOW_GRACE_S = 5
 START_TIMEOUT_S = 60
 POLL_S = 0.1
 
@@ -232,7 +233,7 @@ class Run:
 
     # --- the job ---------------------------------------------------------------------
 
-    def enqueue(self) -> None:
+    def enqueue_args(self) -> list[str]:
         args = [
             "enqueue", str(self.dataset), "--job", JOB, "--model", str(self.env.model_dir),
             "--max-new-tokens", str(MAX_NEW_TOKENS), "--chunk-size", str(self.scenario.chunk_size),
@@ -240,7 +241,10 @@ class Run:
         ]  # fmt: skip
         if self.scenario.mode == "turns":
             args += ["--turns", "all"]
-        result = regen(self.redis.url, *args)
+        return args
+
+    def enqueue(self) -> None:
+        result = regen(self.redis.url, *self.enqueue_args())
         if result.exit_code != 0:
             raise RuntimeError(f"enqueue failed: {result.output}")
 
@@ -290,6 +294,10 @@ class Run:
             )
             point = points["tokenize"][i] if i < len(points["tokenize"]) else None
             self.workers.add("tokenize", args, tokenize_env, point)
+        # The job's follower: what a fault loses is queued again by it, not by the harness.
+        follow_env = {"REGEN_FOLLOW_POLL_S": str(FOLLOW_POLL_S),
+                      "REGEN_FOLLOW_GRACE_S": str(FOLLOW_GRACE_S)}  # fmt: skip
+        self.workers.add("producer", tuple(self.enqueue_args()), follow_env, None)
         # A crash point with no worker of its own (more points than workers) goes to the
         # first worker's next process: every drawn point is reached by someone.
         for kind, listed in points.items():
@@ -341,20 +349,10 @@ class Run:
         self.outcome.faults.append(what)
 
     def rollback(self) -> None:
-        """Redis back from the copy; the operator runs `regen recover`, then the job's own
-        `regen enqueue` again (README, Recovering from a Redis restore)."""
+        """Redis back from the copy, and nothing else: the tokenize stage rebuilds the
+        ledger and the follower queues what the copy lost (docs/design.md, Healing)."""
         assert self.copy is not None
         self.redis.restore(self.copy)
-        time.sleep(0.5)
-        if not self.folder.is_dir():  # no shard yet: the disk holds nothing Redis lost
-            self.enqueue()
-            return
-        recovered = regen(self.redis.url, "recover", "--job", JOB, "--out", str(self.out))
-        if recovered.exit_code != 0:
-            self.outcome.violations.append(
-                f"regen recover exit {recovered.exit_code}: {recovered.output}"
-            )
-        self.enqueue()
 
     # --- the run ---------------------------------------------------------------------
 
@@ -379,8 +377,6 @@ class Run:
         t0 = self.first_delivery()
         pending = list(s.faults)
         next_look = 0.0
-        quiet_since: float | None = None
-        fixed = False
         while True:
             now = time.monotonic() - t0
             self.workers.supervise()
@@ -391,15 +387,8 @@ class Run:
             if now >= next_look:
                 next_look = now + 0.5
                 self.watch.look()
-                if not pending and not self.workers.frozen:
-                    if self.settled(ordered):
-                        break
-                    quiet_since = quiet_since or (now if self.quiet() else None)
-                    if quiet_since is not None and now - quiet_since > QUIET_S and not fixed:
-                        fixed = True
-                        self.requeue_missing()
-                    elif quiet_since is not None and not self.quiet():
-                        quiet_since = None
+                if not pending and not self.workers.frozen and self.settled(ordered):
+                    break
             if now > SETTLE_TIMEOUT_S:
                 self.outcome.violations.append(
                     f"not settled after {SETTLE_TIMEOUT_S} s: {self.stuck(ordered)}"
@@ -409,22 +398,6 @@ class Run:
         self.outcome.violations += self.workers.violations
         self.workers.stop()
         self.check(spec, expected)
-
-    def requeue_missing(self) -> None:
-        """Ids open with nothing left in flight: their chunk was lost in kombu's window.
-        The operator's fix, as `regen verify` names it: `regen recover`, then the job's
-        enqueue (recorded with the faults, so the figures count it)."""
-        found = regen(self.redis.url, "verify", "--job", JOB, "--no-shards")
-        missing = re.search(r"missing +(\d+)", found.output)
-        if found.exit_code != 1 or missing is None or missing.group(1) == "0":
-            return  # not this: the run times out and says where the ids are
-        self.folder.mkdir(parents=True, exist_ok=True)  # no shard yet: an empty folder
-        recovered = regen(self.redis.url, "recover", "--job", JOB, "--out", str(self.out))
-        if recovered.exit_code != 0:
-            self.outcome.violations.append(f"regen recover exit {recovered.exit_code}: "
-                                           f"{recovered.output}")  # fmt: skip
-        self.enqueue()
-        self.outcome.faults.append(f"requeued_missing({missing.group(1)})")
 
     def first_delivery(self) -> float:
         """When a worker first took a chunk: fault times count from there, so that faults

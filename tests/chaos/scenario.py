@@ -31,7 +31,7 @@ FAULT_WEIGHTS = {
     "freeze_generate": 2,  # SIGSTOP past the chunk lease, then SIGCONT
     "freeze_tokenize": 1,  # SIGSTOP past the shard lease, then SIGCONT
     "redis_kill": 2,  # SIGKILL of Redis, restarted from its append-only file
-    "redis_rollback": 2,  # Redis back from an older copy, then `regen recover`
+    "redis_rollback": 2,  # Redis back from an older copy; it heals by itself
     "server_errors": 3,  # the SGLang server answers errors for a few requests
 }
 SERVER_ERROR_KINDS = ("500", "503", "drop", "malformed")
