@@ -138,7 +138,8 @@ def _print_report(report: Reconciliation) -> None:
         if count > listed:
             click.echo(f"  ... and {count - listed:,} more {kind}")
     if report.problem_counts["missing"]:
-        click.echo(f"  fix for missing ids (their chunk was lost): regen recover --job "
+        click.echo("  missing ids (their chunk was lost) are queued again by the job's "
+                   "`regen enqueue --follow`; by hand: regen recover --job "
                    f"{report.job} --out OUT, then the job's own regen enqueue")  # fmt: skip
     if report.ok:
         click.echo("ok: every enqueued id is in exactly one place")

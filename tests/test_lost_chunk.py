@@ -37,7 +37,8 @@ def test_a_chunk_lost_between_pop_and_unacked_is_queued_again(
     found = regen(redis_url, "verify", "--job", "j", "--no-shards")
     assert found.exit_code == 1, found.output
     assert re.search(r"missing +2\n", found.output), found.output
-    assert "fix for missing ids (their chunk was lost): regen recover --job j" in found.output
+    assert "queued again by the job's `regen enqueue --follow`" in found.output
+    assert "by hand: regen recover --job j" in found.output
 
     (tmp_path / "out" / "j").mkdir(parents=True)  # the tokenize worker's --out
     recovered = regen(redis_url, "recover", "--job", "j", "--out", str(tmp_path / "out"))
