@@ -5,6 +5,7 @@ itself, every prompt once, `regen verify` exits 0, and no operator command runs.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,58 @@ def test_a_chunk_lost_in_kombus_window_is_queued_again_by_the_follower(
     counts = shard_id_counts(out / JOB)
     assert len(counts) == len(prompts) and max(counts.values()) == 1, "every prompt once"
     assert not r.exists(keys.job_follower(JOB)), "the follower left when done"
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_in_kombus_window_that_wakes_after_the_requeue_writes_nothing_twice(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    prompts = [f"Tell me fact number {i} about the sun." for i in range(16)]
+    dataset = write_jsonl(tmp_path / "sun.jsonl", [{"prompt": p} for p in prompts])
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_REDIS_URL": redis_url,
+           "REGEN_FOLLOW_POLL_S": "1", "REGEN_FOLLOW_GRACE_S": "3"}  # fmt: skip
+    follow_log = tmp_path / "follow.log"
+    with open(follow_log, "wb") as log:
+        follower = subprocess.Popen([sys.executable, "-m", "regen", *enqueue_args(dataset),
+                                     "--follow"], env=env, stdout=log, stderr=log)  # fmt: skip
+    tokenize = TokenizeWorker(redis_url, out, tmp_path / "tokenize.log")
+    workers: list[Worker] = []
+    try:
+        wait_for(lambda: r.exists(keys.job_follower(JOB)), timeout=60, what="the follower")
+        with run_standin(decode_tokens_per_s=200, output_len_dist="fixed:n=8") as sglang:
+            args = ("--engine", "sglang", "--server", sglang.url, "--jobs", JOB)
+            sleeper = Worker(redis_url, tmp_path, *args,
+                             env={"PYTHONPATH": f"{REPO}{os.pathsep}{KILL_IN_WINDOW}",
+                                  "REGEN_TEST_KOMBU_WINDOW": "stop"})  # fmt: skip
+            workers.append(sleeper)
+            wait_for(lambda: stopped(sleeper.process.pid), timeout=120,
+                     what="the worker stopped inside kombu's window")  # fmt: skip
+            workers.append(Worker(redis_url, tmp_path, *args))
+            follower.wait(timeout=240)  # the chunk was queued again under its id and ran
+            assert follower.returncode == 0, follow_log.read_text(errors="replace")
+            assert "queueing them again" in follow_log.read_text(errors="replace")
+            sleeper.signal_group(signal.SIGCONT)  # it wakes, records the old message, runs it
+            wait_for(lambda: job_settled(r) and sleeper_done(r), timeout=180,
+                     what="the woken worker's delivery settled")  # fmt: skip
+            assert sleeper.process.poll() is None, "the woken worker goes on"
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        for worker in workers:
+            worker.kill()
+        tokenize.stop()
+    verified = regen(redis_url, "verify", "--job", JOB, "--shards-dir", str(out / JOB))
+    assert verified.exit_code == 0, verified.output
+    counts = shard_id_counts(out / JOB)
+    assert len(counts) == len(prompts) and max(counts.values()) == 1, "every prompt once"
+
+
+def sleeper_done(r: redis.Redis) -> bool:
+    """Nothing held in `unacked` any more: the woken worker acked the old message."""
+    return not r.hlen(keys.KOMBU_UNACKED)
