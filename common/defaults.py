@@ -188,9 +188,6 @@ FOLLOW_POLL_S = 30.0
 # stopped longer (SIGSTOP, a VM paused) has its chunk queued again: when it wakes, the
 # chunk lease and the commit ledger keep its prompts' answers once (docs/design.md).
 FOLLOW_GRACE_S = 90.0
-# The follower's heartbeat key lives this long without renewal: three passes, so one
-# slow pass never shows the job as unfollowed.
-FOLLOW_HEARTBEAT_TTL_S = 3 * FOLLOW_POLL_S
 # A tokenize worker's lock on a job's recovery expires this long after its last renewal
 # (renewed at a third of it while recovery runs): a worker killed mid-recovery lets
 # another take it over within a minute; recovery is safe to run again.
