@@ -93,12 +93,16 @@ def _reachable_redis(redis_url: str | None, without: str) -> tuple[Any, str] | N
     import redis
 
     from regen.common import connection, settings
-    from regen.common.embedded_redis import EmbeddedRedis
+    from regen.common.embedded_redis import EmbeddedRedis, PortTaken
 
     url = redis_url or settings.current().redis_url
-    embedded = EmbeddedRedis.from_env()
-    if url is None and embedded.running():
-        url = embedded.url
+    if url is None:
+        embedded = EmbeddedRedis.from_env()
+        try:
+            url = embedded.url if embedded.running() else None
+        except PortTaken as exc:  # someone else's Redis: it holds none of our jobs
+            click.echo(f"{without}: {exc}")
+            return None
     if url is None:
         click.echo(f"{without}: no Redis given (--redis-url) and none embedded running")
         return None
