@@ -21,11 +21,12 @@ from regen import (
     cli_status,
     cli_worker,
 )
-from regen.common import settings
+from regen.common import extras, settings
 
 
 class _Regen(click.Group):
-    """The `regen` group: a login Redis refuses is a one-line error in every command."""
+    """The `regen` group: a login Redis refuses, or an optional extra a command needs and
+    does not have, is a one-line error in every command."""
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -35,6 +36,8 @@ class _Regen(click.Group):
                 f"Redis refused the login ({exc}): check the user and password in "
                 "REGEN_REDIS_URL or --redis-url (redis://[USER]:PASSWORD@HOST:PORT/DB)"
             ) from None
+        except extras.MissingExtra as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 @click.group(

