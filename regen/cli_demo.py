@@ -50,12 +50,16 @@ def _demo_options(**values: Any) -> DemoOptions:
     TRUST_REMOTE_CODE,
     THINKING,
     max_new_tokens_option(defaults.DEMO_MAX_NEW_TOKENS),
-    tunable(
+    # Unset, as `regen enqueue` leaves them: the model samples as its generation_config
+    # says, on-policy (docs/design.md, SGLang contract).
+    click.option(
         "--temperature",
         type=click.FloatRange(min=0),
-        default=defaults.DEMO_TEMPERATURE,
+        help="Default: the model's generation_config.",
     ),
-    tunable("--top-p", type=click.FloatRange(0, 1), default=defaults.DEMO_TOP_P),
+    click.option(
+        "--top-p", type=click.FloatRange(0, 1), help="Default: the model's generation_config."
+    ),
     click.option(
         "--dataset",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
