@@ -22,11 +22,13 @@ from regen import (
     cli_worker,
 )
 from regen.common import extras, settings
+from regen.common.embedded_redis import PortTaken
 
 
 class _Regen(click.Group):
-    """The `regen` group: a login Redis refuses, or an optional extra a command needs and
-    does not have, is a one-line error in every command."""
+    """The `regen` group: a login Redis refuses, another Redis on the embedded port, or an
+    optional extra a command needs and does not have, is a one-line error in every
+    command."""
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -36,7 +38,7 @@ class _Regen(click.Group):
                 f"Redis refused the login ({exc}): check the user and password in "
                 "REGEN_REDIS_URL or --redis-url (redis://[USER]:PASSWORD@HOST:PORT/DB)"
             ) from None
-        except extras.MissingExtra as exc:
+        except (extras.MissingExtra, PortTaken) as exc:
             raise click.ClickException(str(exc)) from None
 
 

@@ -86,6 +86,18 @@ def test_verify_checks_files_alone_beside_another_redis_on_the_embedded_port(
     assert "ok: 1 job(s) verified" in checked.output
 
 
+def test_a_command_beside_another_redis_on_the_embedded_port_says_so_in_one_line(
+    tmp_path: Path, regen_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REGEN_REDIS_URL", raising=False)
+    with running_redis(tmp_path / "other") as other:
+        monkeypatch.setenv("REGEN_EMBEDDED_PORT", str(other.port))
+        result = CliRunner().invoke(main, ["status"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: port {other.port} is taken by another Redis")
+    assert "REGEN_EMBEDDED_PORT" in result.output and len(result.output.splitlines()) == 1
+
+
 @pytest.fixture
 def own_embedded(regen_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmbeddedRedis]:
     """The embedded Redis of this test's REGEN_HOME, on a port of its own; stopped after."""
