@@ -67,6 +67,10 @@ def redis_config(data_dir: Path, port: int, *, unixsocket: Path | None = None) -
     return args
 
 
+class PortTaken(RuntimeError):
+    """Another Redis (data in another folder) answers on the embedded server's port."""
+
+
 @dataclass(frozen=True)
 class EmbeddedRedis:
     home: Path
@@ -98,13 +102,13 @@ class EmbeddedRedis:
         )
 
     def running(self) -> bool:
-        """True when our server (not some other Redis on the port) answers."""
+        """True when our server answers; PortTaken when some other Redis does."""
         try:
             served_dir = self._client().config_get("dir").get("dir")
         except redis.RedisError:
             return False
         if served_dir != str(self.data_dir):
-            raise RuntimeError(
+            raise PortTaken(
                 f"port {self.port} is taken by another Redis (data in {served_dir}); set "
                 "REGEN_EMBEDDED_PORT to a free port or pass --redis-url"
             )

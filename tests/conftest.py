@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from regen.common import settings
-from tests.redis_server import RedisServer, running_redis
+from tests.redis_server import RedisServer, reserved_port, running_redis
 
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +18,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # State (the converted-tokenizer cache) goes to pytest's cache folder, never ./.regen;
 # subprocesses inherit it, so each does not convert the GGUF tokenizer again.
 os.environ.setdefault("REGEN_HOME", str(Path(__file__).parents[1] / ".pytest_cache" / "regen"))
+# The embedded Redis of the session (and of every subprocess it starts) is on a port of its
+# own, never the default one: a `regen demo` or `regen redis start` left running on the
+# machine must not change what a test sees. The port is held by a socket that is bound but
+# never listens, so for the whole session nothing answers there (the embedded Redis is
+# "not running") and no test's own Redis can be given it. A test that wants an embedded
+# Redis sets REGEN_EMBEDDED_PORT itself (tests/test_redis_connection.py).
+_EMBEDDED_PORT_HOLDER = reserved_port()
+os.environ["REGEN_EMBEDDED_PORT"] = str(_EMBEDDED_PORT_HOLDER.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)

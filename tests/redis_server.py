@@ -21,6 +21,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def reserved_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 that never listens: while it is open, a
+    connection there is refused and no other socket can bind the port."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    return holder
+
+
 class PortTaken(RuntimeError):
     def __init__(self, port: int) -> None:
         super().__init__(f"redis-server could not hold port {port}: another process has it")

@@ -24,15 +24,20 @@ def run_demo(tmp_path: Path, *args: str) -> tuple[str, Path]:
     env = {**os.environ, "REGEN_HOME": str(tmp_path / "home"),
            "REGEN_EMBEDDED_PORT": str(free_port()), "COLUMNS": "120"}  # fmt: skip
     env.pop("REGEN_REDIS_URL", None)
+    embedded = EmbeddedRedis(home=Path(env["REGEN_HOME"]).absolute(),
+                             port=int(env["REGEN_EMBEDDED_PORT"]))  # fmt: skip
     try:
         done = subprocess.run(
             [sys.executable, "-m", "regen", "demo", "--out", str(tmp_path / "out"), *args],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
+        left_running = embedded.running()
     finally:
-        EmbeddedRedis(home=Path(env["REGEN_HOME"]).absolute(),
-                      port=int(env["REGEN_EMBEDDED_PORT"])).stop()  # fmt: skip
+        embedded.stop()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The demo started the embedded Redis, so it stops it, and says so last (#29).
+    assert not left_running
+    assert done.stdout.rstrip().splitlines()[-1].startswith("Stopped the embedded Redis")
     (folder,) = [p for p in (tmp_path / "out").iterdir() if p.name.startswith("demo-")]
     return done.stdout, folder
 

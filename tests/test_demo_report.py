@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 from regen.common.jobspec import JobSpec
-from regen.demo_report import outcome
+from regen.demo_report import example_record, outcome
+from tests.test_shards_inspect import make_record, write_shard
 
 
 def test_the_outcome_names_each_flag_and_dead_letter_in_words() -> None:
@@ -25,3 +27,14 @@ def test_the_outcome_names_each_flag_and_dead_letter_in_words() -> None:
     # A clean run says nothing of flags or dead letters.
     empty = {stage: Counter() for stage in letters}
     assert outcome(spec, 3, Counter(), empty)[1:] == ["  3 written as training records."]
+
+
+def test_the_example_record_is_the_first_with_no_flag(tmp_path: Path) -> None:
+    job = tmp_path / "job-a"
+    looped = {**make_record("a"), "flags": ["repetition"]}
+    cut = {**make_record("b", finish="length"), "flags": ["truncated"]}
+    write_shard(job, 1, [looped, cut])
+    assert example_record(job) == looped  # none without a flag: the first
+    write_shard(job, 2, [make_record("c"), make_record("d")])
+    assert example_record(job)["id"] == "c"  # type: ignore[index]
+    assert example_record(tmp_path / "empty") is None

@@ -55,17 +55,25 @@ class ExportedStats:
         self.length_bins[max(record["completion_tokens"], 1).bit_length() - 1] += 1
 
 
-def histogram_png(bins: Counter[int]) -> bytes:
-    """A bar chart of answer lengths by doubling bins, as PNG bytes."""
-    import matplotlib
+def length_bins(bins: Counter[int]) -> list[tuple[str, int]]:
+    """Every bin from the shortest answer's to the longest's: its label and its count."""
+    ks = range(min(bins, default=0), max(bins, default=0) + 1)
+    return [(f"{2**k}" if k == 0 else f"{2**k}-{2 ** (k + 1) - 1}", bins.get(k, 0)) for k in ks]
 
+
+def histogram_png(bins: Counter[int]) -> bytes | None:
+    """A bar chart of answer lengths by doubling bins, as PNG bytes; None without
+    matplotlib (the `export` extra), the one part of the card that needs it."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
     matplotlib.use("Agg")  # no display: write files only
     from matplotlib import pyplot
 
-    ks = range(min(bins, default=0), max(bins, default=0) + 1)
-    labels = [f"{2**k}" if k == 0 else f"{2**k}-{2 ** (k + 1) - 1}" for k in ks]
+    labels, counts = zip(*length_bins(bins), strict=True)
     figure, axes = pyplot.subplots(figsize=(8, 3.5), dpi=100)
-    axes.bar(labels, [bins.get(k, 0) for k in ks], color="#4c72b0")
+    axes.bar(labels, counts, color="#4c72b0")
     axes.set_xlabel("answer length (tokens)")
     axes.set_ylabel("records")
     axes.set_title("Answer lengths")
@@ -86,9 +94,12 @@ def write_card(
     dropped: Counter[str],
     provenances: list[dict[str, Any]],
     dead_letters: dict[str, Counter[str]] | None,
-) -> Path:
-    """Write README.md and the histogram into an exported `datasets` folder."""
-    (folder / HISTOGRAM_FILE).write_bytes(histogram_png(stats.length_bins))
+) -> bool:
+    """Write README.md and the histogram into an exported `datasets` folder; False when
+    the histogram could not be drawn (no matplotlib): the card gives it as a table."""
+    picture = histogram_png(stats.length_bins)
+    if picture is not None:
+        (folder / HISTOGRAM_FILE).write_bytes(picture)
     data = DatasetCardData(
         # The user's to fill: it follows the prompts' and the model's licenses.
         license="unknown",
@@ -100,11 +111,10 @@ def write_card(
                       "splits": [{"name": "train", "num_bytes": num_bytes,
                                   "num_examples": stats.records}]},
     )  # fmt: skip
-    body = "\n".join(_body(stats, dropped, provenances, dead_letters))
+    body = "\n".join(_body(stats, dropped, provenances, dead_letters, picture is not None))
     card = DatasetCard(f"---\n{data.to_yaml()}\n---\n\n{body}\n")
-    path = folder / "README.md"
-    card.save(str(path))
-    return path
+    card.save(str(folder / "README.md"))
+    return picture is not None
 
 
 def _body(
@@ -112,6 +122,7 @@ def _body(
     dropped: Counter[str],
     provenances: list[dict[str, Any]],
     dead_letters: dict[str, Counter[str]] | None,
+    picture: bool,
 ) -> list[str]:
     models = ", ".join(sorted(stats.models | {p["model"] for p in provenances if "model" in p}))
     lines = [
@@ -136,7 +147,12 @@ def _body(
         lines.append(f"| flagged `{flag}` (kept) | {stats.flags.get(flag, 0):,} |")
     for reason, n in sorted(dropped.items()):
         lines.append(f"| left out: `{reason}` | {n:,} |")
-    lines += ["", f"![Answer lengths]({HISTOGRAM_FILE})", "", "## Dead letters", ""]
+    if picture:
+        lines += ["", f"![Answer lengths]({HISTOGRAM_FILE})"]
+    else:
+        lines += ["", "| answer length (tokens) | records |", "|---|---|"]
+        lines += [f"| {label} | {n:,} |" for label, n in length_bins(stats.length_bins)]
+    lines += ["", "## Dead letters", ""]
     if dead_letters is None:
         lines.append("Not known: the export was made without the job's Redis (`--redis-url`).")
     else:

@@ -112,6 +112,8 @@ class ExportSummary:
     # Shards holding copies: (the shard exported from, the shard with the copies, how
     # many, an id), each as JOB_FOLDER/SHARD.
     duplicates: list[tuple[str, str, int, str]] = field(default_factory=list)
+    # A `datasets` folder's card was written without its histogram picture (no matplotlib).
+    card_without_picture: bool = False
 
     def line(self) -> str:
         parts = [f"wrote {self.written:,} records to {self.out}"]
@@ -224,10 +226,11 @@ def _describe(
         )
         features = require_datasets().Features.from_arrow_schema(TOKEN_SCHEMA)._to_yaml_list()
         size = sum(f.stat().st_size for f in path.glob("data-*.arrow"))
-        write_card(
+        drawn = write_card(
             path, features=features, num_bytes=size, stats=stats, dropped=summary.dropped,
             provenances=made_by, dead_letters=dead_letters,
         )  # fmt: skip
+        summary.card_without_picture |= not drawn
 
 
 def select_jobs(folder: Path, names: Sequence[str]) -> list[Path]:

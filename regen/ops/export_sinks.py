@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import orjson
 import pyarrow as pa
 
+from regen.common import extras
+
 Row = dict[str, Any]
 Shape = Callable[[Row], Row]  # a record to the row a format writes
 TMP_SUFFIX = ".tmp"
@@ -161,12 +163,14 @@ class DatasetSink:
 
 
 def require_datasets() -> ModuleType:
+    """The `datasets` package, or ExportError naming the extra that installs it."""
     try:
         import datasets
-    except ImportError as exc:
+    except ImportError:
         raise ExportError(
-            "--format hf needs the `datasets` package: pip install 'regen[export]'"
-        ) from exc
+            "--format hf needs the `export` extra (datasets not installed): "
+            f"{extras.install_hint('export')}"
+        ) from None
     return datasets
 
 

@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from regen.common import defaults
+from regen.common import defaults, extras
 from regen.consumers.generate.engine import Engine
 
 BUILTIN = ("sglang", "sglang-engine", "local")
@@ -37,7 +37,20 @@ class EngineOptions:
     sglang_args: dict[str, Any] = field(default_factory=dict)
 
 
+# The extra each built-in in-process engine needs (pyproject.toml).
+ENGINE_EXTRAS = {"local": "local", "sglang-engine": "sglang"}
+
+
+def require_engine_extra(name: str) -> None:
+    """extras.MissingExtra when engine `name` needs an extra that is not installed: said
+    before a worker starts anything, instead of an import error once it has."""
+    extra = ENGINE_EXTRAS.get(name)
+    if extra is not None:
+        extras.require(extra, f"--engine {name}")
+
+
 def make_engine(name: str, options: EngineOptions) -> Engine:
+    require_engine_extra(name)
     if name == "sglang":
         if not options.servers:
             raise ValueError("--engine sglang needs at least one --server URL")
