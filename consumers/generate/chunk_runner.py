@@ -137,8 +137,6 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkO
             return _run_chunk(ctx, lease, chunk, history)
         except LeaseLost:
             lease.record_lost(ctx.redis, ctx.worker)
-            # A rollback to a copy taken as the message was popped holds it nowhere.
-            lease.hand_back_if_forgotten(ctx.redis)
             raise
         finally:
             ctx.leases.release(lease)

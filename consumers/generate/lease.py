@@ -245,6 +245,9 @@ class ChunkLease:
         )
         for callback in self._on_lost:
             callback()
+        # At once (the heartbeat's renewal finds most losses), not when the chunk's
+        # thread unwinds: a worker that dies before it puts the message back loses it.
+        self.hand_back_if_forgotten(self._book.redis)
 
     def _mark_settled(self) -> None:
         """Celery must not ack or reject this delivery in Redis: regen has settled it."""
@@ -447,7 +450,7 @@ class LeaseBook:
     """The chunks this worker holds: renewed with every heartbeat."""
 
     def __init__(self, r: redis.Redis) -> None:
-        self._r = r
+        self.redis = r  # a lost lease's hand-back (ChunkLease.hand_back_if_forgotten)
         self._lock = threading.Lock()
         self._held: dict[int, ChunkLease] = {}
         self._settled: Counter[str | None] = Counter()
