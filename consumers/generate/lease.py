@@ -138,6 +138,28 @@ _LOST_WHY = {
     3: "Redis lost writes of this delivery (restored from an older copy)",
 }
 
+# KEYS: unacked, the chunk's attempts list, the job's chunks hash, the list the message
+# was popped from. ARGV: delivery tag, this delivery's attempt index, chunk id, the
+# message as popped. A delivery whose lease was lost puts its message back (RPUSH: the
+# tail BRPOP took it from) only when Redis holds it nowhere: not in `unacked` (held, or
+# waiting for the sweep), the attempts list without this delivery's start (so Redis is
+# behind it: it was neither acked nor restored since), the chunk published (a copy
+# taken before its publish lost its ids too: the producer publishes it again), and the
+# message not on its list (found by its bytes, else by its tag, a UUID: a copy kombu
+# restored carries the redelivered flag; the scan runs only when all else says
+# forgotten). Returns 1 when put back.
+_HAND_BACK_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[2]) then return 0 end
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 0 then return 0 end
+if redis.call('LPOS', KEYS[4], ARGV[4]) then return 0 end
+for _, queued in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+  if string.find(queued, ARGV[1], 1, true) then return 0 end
+end
+redis.call('RPUSH', KEYS[4], ARGV[4])
+return 1
+"""
+
 
 class LeaseLost(Exception):
     """Another delivery of the chunk holds it now (or Redis lost writes of this one):
@@ -223,6 +245,9 @@ class ChunkLease:
         )
         for callback in self._on_lost:
             callback()
+        # At once (the heartbeat's renewal finds most losses), not when the chunk's
+        # thread unwinds: a worker that dies before it puts the message back loses it.
+        self.hand_back_if_forgotten(self._book.redis)
 
     def _mark_settled(self) -> None:
         """Celery must not ack or reject this delivery in Redis: regen has settled it."""
@@ -381,6 +406,39 @@ class ChunkLease:
         except redis.RedisError as exc:  # only history: the chunk is another's now
             log.warning("chunk %s: could not record the lost attempt: %s", self.chunk_id, exc)
 
+    def hand_back_if_forgotten(self, r: redis.Redis) -> bool:
+        """Put the message back on its queue when Redis holds it nowhere; whether it did.
+
+        A copy of Redis (a backup, a lagging replica) taken between kombu's BRPOP of this
+        message and its record in `unacked` has the chunk neither queued nor delivered:
+        restored, it holds it nowhere, and this delivery's lease is lost (its attempt is
+        not in the copy), so without this its prompts would be in no place for good.
+        This worker still has the message as popped (docs/design.md, Delivery protocol).
+        """
+        popped = self._book.popped_message(self.tag)
+        if popped is None:
+            return False
+        source, raw = popped
+        lua_keys: list[str | bytes] = [
+            keys.KOMBU_UNACKED, self.attempts_key, keys.job_chunks(self.job), source
+        ]  # fmt: skip
+        try:
+            back = self._book.hand_back_script(
+                keys=lua_keys, args=[self.tag or "", self.attempt, self.chunk_id, raw], client=r
+            )
+        except redis.RedisError as exc:
+            log.error("chunk %s: could not check whether Redis still holds it: %s",
+                      self.chunk_id, exc)  # fmt: skip
+            return False
+        if back:
+            log.warning(
+                "chunk %s of %s: Redis holds it nowhere (restored from a copy taken as it "
+                "was popped); put back on its queue",
+                self.chunk_id,
+                self.job,
+            )
+        return bool(back)
+
     def _end(
         self, pipe: redis.client.Pipeline, worker: str, status: str, error: str | None = None
     ) -> None:
@@ -392,13 +450,17 @@ class LeaseBook:
     """The chunks this worker holds: renewed with every heartbeat."""
 
     def __init__(self, r: redis.Redis) -> None:
-        self._r = r
+        self.redis = r  # a lost lease's hand-back (ChunkLease.hand_back_if_forgotten)
         self._lock = threading.Lock()
         self._held: dict[int, ChunkLease] = {}
         self._settled: Counter[str | None] = Counter()
+        # Delivery tag -> (the list it was popped from, the message as popped), for the
+        # messages this worker holds: what a lost lease puts back if Redis forgot it.
+        self._popped: dict[str, tuple[bytes, bytes]] = {}
         self._renew = r.register_script(_RENEW_LUA)
         self._start = r.register_script(_START_LUA)
         self.hand_off_script = r.register_script(_HAND_OFF_LUA)
+        self.hand_back_script = r.register_script(_HAND_BACK_LUA)
 
     def start(
         self, job: str, chunk_id: str, tag: str | None, worker: str
@@ -442,6 +504,22 @@ class LeaseBook:
                 continue
             lost.mark_lost("its delivery was restored or redelivered while this worker was away")
             self.release(lost)
+
+    # --- the messages held, as popped -------------------------------------------------
+
+    def popped(self, tag: str, source: bytes, raw: bytes) -> None:
+        """kombu delivered the message `raw`, popped from the list `source` (screen.py)."""
+        with self._lock:
+            self._popped[tag] = (source, raw)
+
+    def forget_popped(self, tag: str | None) -> None:
+        """The delivery is acknowledged or rejected: nothing of it to put back."""
+        with self._lock:
+            self._popped.pop(tag or "", None)
+
+    def popped_message(self, tag: str | None) -> tuple[bytes, bytes] | None:
+        with self._lock:
+            return self._popped.get(tag or "")
 
     # --- what Celery must leave alone --------------------------------------------------
 

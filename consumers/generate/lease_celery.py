@@ -39,6 +39,7 @@ def make_request_class(book: LeaseBook) -> type[Request]:
 
         def _forget_if_settled(self) -> None:
             message = self.message
+            book.forget_popped(message.delivery_tag)
             if not self.acknowledged and book.take_settled(message.delivery_tag):
                 # The base QoS's ack only forgets the delivery locally; the Redis QoS's
                 # own ack would also remove it from Redis.

@@ -176,7 +176,7 @@ def run_worker(options: WorkerOptions) -> None:
     initial_chunks = min(concurrency, 2)
 
     app: Celery = make_app(url)
-    screen.install(app, PoisonFilter(r, name))
+    screen.install(app, PoisonFilter(r, name), ctx.leases)
     # A lost connection leaves held chunks held (their leases decide): lease_celery.py.
     app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)
