@@ -178,6 +178,9 @@ class Follower:
     def name(self) -> str:
         return f"follower:{self.process.pid}"
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
     def kill(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
@@ -262,6 +265,12 @@ class Workers:
             if slot.died_at is None:
                 slot.died_at = now
                 slot.exits.append(code)
+                if slot.kind == "producer" and code > 0:
+                    # No fault kills the follower and it waits Redis outages out: an
+                    # exit of its own is a bug (a usage error once restarted it for good).
+                    self.violations.append(
+                        f"{slot.worker.name} exited {code}: {slot.worker.log()[-300:]!r}"
+                    )
                 if slot.in_window and code == -signal.SIGKILL:
                     self.window_kills += 1  # (or a kill_generate fault that hit it first)
                 if code == 0:

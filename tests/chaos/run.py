@@ -306,7 +306,8 @@ class Run:
         # The job's follower: what a fault loses is queued again by it, not by the harness.
         follow_env = {"REGEN_FOLLOW_POLL_S": str(FOLLOW_POLL_S),
                       "REGEN_FOLLOW_GRACE_S": str(FOLLOW_GRACE_S)}  # fmt: skip
-        self.workers.add("producer", tuple(self.enqueue_args()), follow_env, None)
+        # Follower runs `regen enqueue ARGS --follow`: ARGS without the command's name.
+        self.workers.add("producer", tuple(self.enqueue_args()[1:]), follow_env, None)
         # A crash point with no worker of its own (more points than workers) goes to the
         # first worker's next process: every drawn point is reached by someone.
         for kind, listed in points.items():
