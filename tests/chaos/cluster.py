@@ -22,14 +22,19 @@ from pathlib import Path
 
 import redis
 
+from regen.common import connection
 from tests.generate_harness import REPO, Worker
 from tests.redis_server import RedisServer
+from tests.sentinel_cluster import MASTER, SentinelCluster
 
 # Leases shortened from 100 s (chunks) and 60 s (shard claims) so that a frozen or dead
 # worker's work comes back within a seed; each is renewed four times a lease.
 CHUNK_LEASE_S = 4
 SHARD_LEASE_S = 4
 RESTART_DELAY_S = 0.3
+# On a generate worker's PYTHONPATH, its sitecustomize SIGKILLs it inside kombu's window:
+# a chunk popped from the queue, not yet recorded in `unacked`.
+KOMBU_WINDOW = Path(__file__).resolve().parents[1] / "kombu_window"
 
 # A copy of every key with its time to live, taken in one step (a script runs alone),
 # as a backup or a lagging replica holds it: an RDB or AOF keeps each key's expiry.
@@ -44,25 +49,20 @@ return out
 """
 
 
-class Redis:
-    """A redis-server on its own port and folder, append-only with an fsync per write."""
+Copy = dict[bytes, tuple[bytes, int]]
 
-    def __init__(self, folder: Path) -> None:
-        self.server = RedisServer.on_free_port(folder)
-        self.url = self.server.url
-        self.client = redis.Redis.from_url(self.url)
 
-    def kill_and_restart(self, down_s: float) -> None:
-        """SIGKILL, then start again on the same port from the same append-only file."""
-        self.server.kill()
-        time.sleep(down_s)
-        self.server.start()
+class _Snapshots:
+    """Copy and restore through `client`, which reaches the primary."""
 
-    def copy(self) -> dict[bytes, tuple[bytes, int]]:
+    client: redis.Redis
+    env: dict[str, str]  # what a process needs, besides the URL, to reach Redis
+
+    def copy(self) -> Copy:
         flat = self.client.eval(_DUMP_ALL, 0)
         return {key: (value, int(ttl)) for key, value, ttl in zip(*[iter(flat)] * 3, strict=True)}
 
-    def restore(self, copy: dict[bytes, tuple[bytes, int]]) -> None:
+    def restore(self, copy: Copy) -> None:
         """Put the copy back, each key with the time to live it had (0: none), in one
         transaction, under the running workers."""
         pipe = self.client.pipeline(transaction=True)
@@ -71,9 +71,93 @@ class Redis:
             pipe.restore(key, max(ttl_ms, 0), value)
         pipe.execute()
 
+
+class Redis(_Snapshots):
+    """A redis-server on its own port and folder, append-only with an fsync per write."""
+
+    def __init__(self, folder: Path) -> None:
+        self.server = RedisServer.on_free_port(folder)
+        self.url = self.server.url
+        self.client = redis.Redis.from_url(self.url)
+        self.env = {}
+
+    def kill_and_restart(self, down_s: float) -> None:
+        """SIGKILL, then start again on the same port from the same append-only file."""
+        self.server.kill()
+        time.sleep(down_s)
+        self.server.start()
+
+    def tend(self) -> None:
+        """Nothing to do between faults (SentinelRedis restarts a failed-over primary)."""
+
     def stop(self) -> None:
         self.server.kill()
         shutil.rmtree(self.server.data_dir, ignore_errors=True)
+
+
+class SentinelRedis(_Snapshots):
+    """A primary, a replica and three sentinels (tests/sentinel_cluster.py); every process
+    and the harness's own client reach the primary through `sentinel://`, so they follow
+    it through a failover (docs/design.md, Redis Sentinel)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.cluster = SentinelCluster(folder)
+        try:
+            self.cluster.start()
+        except BaseException:
+            self.cluster.stop()
+            raise
+        self.servers = (self.cluster.primary, self.cluster.replica)
+        self.url = self.cluster.url()
+        self.env = {"REGEN_REDIS_SENTINEL_MASTER": MASTER}
+        self.client = connection.client(self.url)  # the caller set REGEN_REDIS_SENTINEL_MASTER
+        self.down: list[RedisServer] = []  # killed by a failover, not yet back
+
+    def primary(self) -> RedisServer:
+        port = self.cluster.master_port()
+        return next(server for server in self.servers if server.port == port)
+
+    def failover(self) -> int:
+        """SIGKILL the primary without waiting for its replica to catch up (a failover
+        that loses the last writes is a rollback, healed by regen: docs/design.md,
+        Healing); the sentinels promote the replica. Returns the killed port."""
+        server = self.primary()
+        server.kill()
+        if server not in self.down:
+            self.down.append(server)
+        return server.port
+
+    def kill_and_restart(self, down_s: float) -> None:
+        """SIGKILL the primary, then start it again from its append-only file: as the
+        primary if the sentinels still name it, else as the new primary's replica (the
+        sentinels fail over a primary silent for DOWN_AFTER_MS)."""
+        server = self.primary()
+        server.kill()
+        time.sleep(down_s)
+        self._restart(server)
+
+    def tend(self) -> None:
+        """Start a failed-over primary again, as a replica of the one promoted, once the
+        sentinels name it (so that a later fault has a replica to promote)."""
+        for server in list(self.down):
+            if self.primary() is not server:
+                self._restart(server)
+
+    def _restart(self, server: RedisServer) -> None:
+        others = [other for other in self.servers if other is not server]
+        master = self.primary()
+        if master in others and master.process is not None:
+            server.extra_args = ("--replicaof", "127.0.0.1", str(master.port))
+        else:
+            server.extra_args = ()
+        server.start()
+        if server in self.down:
+            self.down.remove(server)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class Follower:
@@ -93,6 +177,9 @@ class Follower:
     @property
     def name(self) -> str:
         return f"follower:{self.process.pid}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -116,16 +203,20 @@ class Slot:
     args: tuple[str, ...]
     env: dict[str, str]
     crashpoint: str | None = None
+    kombu_window: bool = False  # the next process dies inside kombu's window
+    in_window: bool = False  # the process now running was started to die there
     worker: Worker | Follower | None = None
     exits: list[int] = field(default_factory=list)
     died_at: float | None = None
 
 
 class Workers:
-    def __init__(self, url: str, log_dir: Path) -> None:
+    def __init__(self, url: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.url = url
         self.log_dir = log_dir
+        self.env = env or {}  # every process's: how to reach Redis
         self.slots: list[Slot] = []
+        self.window_kills = 0  # processes that died inside kombu's window
         self.violations: list[str] = []
         self.frozen: dict[int, float] = {}  # pid -> when to SIGCONT it
 
@@ -137,10 +228,14 @@ class Workers:
         self._start(slot)
 
     def _start(self, slot: Slot) -> None:
-        env = dict(slot.env)
+        env = {**self.env, **slot.env}
         if slot.crashpoint is not None:
             env["REGEN_CRASHPOINT"] = slot.crashpoint
             slot.crashpoint = None  # the next process runs through
+        slot.in_window = slot.kombu_window
+        if slot.kombu_window:
+            env["PYTHONPATH"] = f"{REPO}{os.pathsep}{KOMBU_WINDOW}"
+            slot.kombu_window = False  # restarted as any other worker
         if slot.kind == "producer":
             slot.worker = Follower(self.url, self.log_dir, *slot.args, env=env)
         else:
@@ -170,6 +265,14 @@ class Workers:
             if slot.died_at is None:
                 slot.died_at = now
                 slot.exits.append(code)
+                if slot.kind == "producer" and code > 0:
+                    # No fault kills the follower and it waits Redis outages out: an
+                    # exit of its own is a bug (a usage error once restarted it for good).
+                    self.violations.append(
+                        f"{slot.worker.name} exited {code}: {slot.worker.log()[-300:]!r}"
+                    )
+                if slot.in_window and code == -signal.SIGKILL:
+                    self.window_kills += 1  # (or a kill_generate fault that hit it first)
                 if code == 0:
                     self.violations.append(
                         f"{slot.worker.name} exited 0 while the job ran: a supervisor that "
@@ -177,6 +280,16 @@ class Workers:
                     )
             if now - slot.died_at >= RESTART_DELAY_S:
                 self._start(slot)
+
+    def add_in_kombu_window(self, args: tuple[str, ...], env: dict[str, str]) -> str:
+        """One more generate worker, whose first process SIGKILLs itself at its first
+        pop, before kombu records the chunk in `unacked`; the supervisor restarts it as
+        any other. Returns its first process's name."""
+        slot = Slot("generate", args, env, kombu_window=True)
+        self.slots.append(slot)
+        self._start(slot)
+        assert slot.worker is not None
+        return slot.worker.name
 
     def kill(self, kind: str, target: int) -> str | None:
         slot = self._pick(kind, target)

@@ -25,7 +25,7 @@ import orjson
 from click.testing import CliRunner, Result
 
 from regen.cli import main
-from regen.common import dlq, jobspec, keys
+from regen.common import connection, dlq, jobspec, keys, settings
 from regen.common.chat_family import render_prompt_ids
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS
 from regen.common.queues import queue_lists
@@ -33,7 +33,7 @@ from regen.common.samples import sample_id
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.producer.conversations import job_prompt
-from tests.chaos.cluster import CHUNK_LEASE_S, SHARD_LEASE_S, Redis, Workers
+from tests.chaos.cluster import CHUNK_LEASE_S, SHARD_LEASE_S, Redis, SentinelRedis, Workers
 from tests.chaos.invariant import (
     Found,
     ShardWatch,
@@ -43,11 +43,17 @@ from tests.chaos.invariant import (
 )
 from tests.chaos.scenario import EXPORT_CRASHPOINT, Fault, Scenario
 from tests.generate_harness import REPO
+from tests.sentinel_cluster import MASTER as SENTINEL_MASTER
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import LengthDist
 from tests.sglang_standin.process import StandinHandle, run_standin
 
 JOB = "chaos"
+GENERATE_ENV = {
+    "REGEN_VISIBILITY_TIMEOUT": str(CHUNK_LEASE_S),
+    "REGEN_RESTORE_INTERVAL": "1",
+    "REGEN_RESTORE_THROTTLE": "1",
+}
 MAX_NEW_TOKENS = 64
 # Every row is under this but the one a scenario makes too large (--max-row-bytes).
 MAX_ROW_BYTES = 4000
@@ -194,6 +200,7 @@ class Outcome:
     dead: int = 0
     dead_reasons: dict[str, int] = field(default_factory=dict)
     worker_exits: int = 0
+    window_kills: int = 0  # worker processes that died inside kombu's window
     faults: list[str] = field(default_factory=list)
 
     @property
@@ -205,7 +212,8 @@ class Outcome:
         return (
             f"seed {self.seed} ({self.mode}): {verdict}, {self.wall_s:.1f} s, {self.ids} ids: "
             f"{self.records} records + {self.dead} dead letters; {self.worker_exits} worker "
-            f"exit(s); faults: {', '.join(self.faults) or 'none'}"
+            f"exit(s){f' ({self.window_kills} in kombu window)' if self.window_kills else ''}; "
+            f"faults: {', '.join(self.faults) or 'none'}"
         )
 
 
@@ -225,9 +233,11 @@ class Run:
         self.dataset.write_bytes(
             b"".join(orjson.dumps(row) + b"\n" for row in dataset_rows(scenario))
         )
-        self.redis = Redis(work / "redis")
+        self.redis: Redis | SentinelRedis = (
+            SentinelRedis(work / "redis") if scenario.sentinel else Redis(work / "redis")
+        )
         self.r = self.redis.client
-        self.workers = Workers(self.redis.url, work)
+        self.workers = Workers(self.redis.url, work, self.redis.env)
         self.watch = ShardWatch(self.folder, shard_paths)
         self.copy: dict[bytes, tuple[bytes, int]] | None = None
 
@@ -261,20 +271,19 @@ class Run:
                     ids.update(replace(conversation, id=cid).turn_ids())
         return ids
 
+    def generate_args(self) -> tuple[str, ...]:
+        return ("--engine", "sglang", "--server", self.env.standin.url, "--jobs", JOB)
+
     def start_workers(self) -> None:
         s = self.scenario
-        generate_env = {
-            "REGEN_VISIBILITY_TIMEOUT": str(CHUNK_LEASE_S),
-            "REGEN_RESTORE_INTERVAL": "1",
-            "REGEN_RESTORE_THROTTLE": "1",
-        }
+        generate_env = GENERATE_ENV
         tokenize_env = {"REGEN_SHARD_LEASE_S": str(SHARD_LEASE_S), "REGEN_HEARTBEAT_STALE_S": "3"}
         points = {
             "generate": [p for k, p in s.crashpoints if k == "generate"],
             "tokenize": [p for k, p in s.crashpoints if k == "tokenize"],
         }
         for i in range(s.generate_workers):
-            args = ("--engine", "sglang", "--server", self.env.standin.url, "--jobs", JOB)
+            args = self.generate_args()
             point = points["generate"][i] if i < len(points["generate"]) else None
             self.workers.add("generate", args, generate_env, point)
         for i in range(s.tokenize_workers):
@@ -297,7 +306,8 @@ class Run:
         # The job's follower: what a fault loses is queued again by it, not by the harness.
         follow_env = {"REGEN_FOLLOW_POLL_S": str(FOLLOW_POLL_S),
                       "REGEN_FOLLOW_GRACE_S": str(FOLLOW_GRACE_S)}  # fmt: skip
-        self.workers.add("producer", tuple(self.enqueue_args()), follow_env, None)
+        # Follower runs `regen enqueue ARGS --follow`: ARGS without the command's name.
+        self.workers.add("producer", tuple(self.enqueue_args()[1:]), follow_env, None)
         # A crash point with no worker of its own (more points than workers) goes to the
         # first worker's next process: every drawn point is reached by someone.
         for kind, listed in points.items():
@@ -346,6 +356,12 @@ class Run:
             kind, count = fault.detail.split(":")
             self.env.standin.fault(kind, int(count))
             what += f"({fault.detail})"
+        elif fault.kind == "kill_in_kombu_window":
+            name = self.workers.add_in_kombu_window(self.generate_args(), GENERATE_ENV)
+            what += f"({name})"
+        elif fault.kind == "sentinel_failover":
+            assert isinstance(self.redis, SentinelRedis)
+            what += f"(primary :{self.redis.failover()} killed)"
         self.outcome.faults.append(what)
 
     def rollback(self) -> None:
@@ -380,19 +396,27 @@ class Run:
         while True:
             now = time.monotonic() - t0
             self.workers.supervise()
-            if s.copy_at_s is not None and self.copy is None and now >= s.copy_at_s:
-                self.copy = self.redis.copy()
-            while pending and now >= pending[0].at_s:
-                self.fire(pending.pop(0))
+            # Mid-failover the primary cannot be reached for seconds (the sentinels take
+            # DOWN_AFTER_MS to see it gone, then elect): what needs it is tried again.
+            with contextlib.suppress(*connection.OUTAGE_ERRORS):
+                self.redis.tend()
+                if s.copy_at_s is not None and self.copy is None and now >= s.copy_at_s:
+                    self.copy = self.redis.copy()
+                while pending and now >= pending[0].at_s:
+                    self.fire(pending[0])
+                    pending.pop(0)
             if now >= next_look:
                 next_look = now + 0.5
                 self.watch.look()
-                if not pending and not self.workers.frozen and self.settled(ordered):
-                    break
+                with contextlib.suppress(*connection.OUTAGE_ERRORS):
+                    if not pending and not self.workers.frozen and self.settled(ordered):
+                        break
             if now > SETTLE_TIMEOUT_S:
-                self.outcome.violations.append(
-                    f"not settled after {SETTLE_TIMEOUT_S} s: {self.stuck(ordered)}"
-                )
+                try:
+                    stuck = self.stuck(ordered)
+                except connection.OUTAGE_ERRORS as exc:
+                    stuck = f"Redis unreachable ({exc!r})"
+                self.outcome.violations.append(f"not settled after {SETTLE_TIMEOUT_S} s: {stuck}")
                 return
             time.sleep(POLL_S)
         self.outcome.violations += self.workers.violations
@@ -519,20 +543,43 @@ class Run:
         return problems
 
 
+@contextlib.contextmanager
+def sentinel_master(scenario: Scenario) -> Iterator[None]:
+    """For a seed on Sentinel, REGEN_REDIS_SENTINEL_MASTER in this process too: the
+    harness's client and the `regen` commands it runs in process read it."""
+    if not scenario.sentinel:
+        yield
+        return
+    name = "REGEN_REDIS_SENTINEL_MASTER"
+    before = os.environ.get(name)
+    os.environ[name] = SENTINEL_MASTER
+    settings.load()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+        settings.load()
+
+
 def run_seed(env: Environment, scenario: Scenario, work: Path, keep: bool = False) -> Outcome:
     """Run `scenario` in `work` (removed afterwards unless `keep` or it failed)."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    run = Run(env, scenario, work)
-    try:
-        outcome = run.run()
-    except Exception as exc:  # the harness itself, or a command it ran, broke
-        run.outcome.violations.append(f"the run broke: {exc!r}")
-        outcome = run.outcome
-    finally:
-        run.redis.stop()
+    with sentinel_master(scenario):
+        run = Run(env, scenario, work)
+        try:
+            outcome = run.run()
+        except Exception as exc:  # the harness itself, or a command it ran, broke
+            run.outcome.violations.append(f"the run broke: {exc!r}")
+            outcome = run.outcome
+        finally:
+            run.redis.stop()
     outcome.worker_exits = run.workers.restarts()
+    outcome.window_kills = run.workers.window_kills
     if not outcome.ok:
         (work / "violations.txt").write_text(
             "\n".join(outcome.violations) + "\n\n" + run.workers.logs()

@@ -2,7 +2,9 @@
 
 Everything a run does is drawn here from `random.Random(f"{mode}:{seed}")`, before the run
 starts, so a seed replays the same job and the same schedule (the processes' own timing
-still varies: a replay that passes where the first run failed points at a race).
+still varies: a replay that passes where the first run failed points at a race). The
+faults added later (LATER_FAULTS) are drawn from a stream of their own, so that a seed
+drew the same job and the same earlier faults before they were added.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ FAULT_WEIGHTS = {
     "server_errors": 3,  # the SGLang server answers errors for a few requests
 }
 SERVER_ERROR_KINDS = ("500", "503", "drop", "malformed")
+# Faults added to a seed's schedule, each with its chance, from `Random(f"{mode}:{seed}:later")`.
+LATER_FAULTS = {
+    # One more generate worker whose first process SIGKILLs itself inside kombu's window
+    # (a chunk popped, not yet in `unacked`); drawn early, while chunks are still queued.
+    "kill_in_kombu_window": 0.25,
+    # The seed runs on a Redis Sentinel deployment; its primary is SIGKILLed and the
+    # replica promoted, whatever it had not yet replicated lost.
+    "sentinel_failover": 0.2,
+}
+KOMBU_WINDOW_BEFORE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class Scenario:
     copy_at_s: float | None = None  # when the copy a rollback restores is taken
     samples: int = 1  # answers a prompt (`--samples`)
     oversized_row: bool = False  # a row over --max-row-bytes: refused into the input DLQ
+    sentinel: bool = False  # Redis is a primary, a replica and three sentinels
 
     def describe(self) -> str:
         faults = ", ".join(
@@ -73,6 +86,7 @@ class Scenario:
             f"{'; export crashes once' if self.export_crash else ''}"
             f"{f'; {self.samples} samples a prompt' if self.samples > 1 else ''}"
             f"{'; one row too large' if self.oversized_row else ''}"
+            f"{'; on Redis Sentinel' if self.sentinel else ''}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +123,15 @@ def draw(seed: int, mode: str) -> Scenario:
             copy_at_s = round(rng.uniform(0.0, at_s), 2)
             detail = f"copy@{copy_at_s}s"
         faults.append(Fault(at_s, kind, rng.randrange(3), detail))
+    later = random.Random(f"{mode}:{seed}:later")
+    for kind, chance in LATER_FAULTS.items():
+        if later.random() < chance:
+            until_s = (
+                KOMBU_WINDOW_BEFORE_S
+                if kind == "kill_in_kombu_window"
+                else (6.0 if mode == "single" else 10.0)
+            )
+            faults.append(Fault(round(later.uniform(0.0, until_s), 2), kind))
     faults.sort(key=lambda f: f.at_s)
     return Scenario(
         seed=seed,
@@ -123,4 +146,5 @@ def draw(seed: int, mode: str) -> Scenario:
         copy_at_s=copy_at_s,
         samples=rng.choice((1, 1, 1, 2)),
         oversized_row=rng.random() < 0.2,
+        sentinel=any(f.kind == "sentinel_failover" for f in faults),
     )
