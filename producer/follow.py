@@ -48,6 +48,7 @@ from regen.ops.accounting import count_places, text
 from regen.ops.reconcile import missing_ids
 from regen.ops.recover import forget_missing
 from regen.producer.enqueue import reread_from_start
+from regen.producer.outages import wait_out_outages
 
 log = logging.getLogger("regen.enqueue")
 REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
@@ -98,10 +99,7 @@ class Follower:
 
     def run(self) -> None:
         """Publish the job, then follow it until every prompt has a place."""
-        while self.r.exists(keys.job_behind(self.job)):  # a recovery is under way
-            self.beat()
-            self.sleep(self.poll_s)
-        self._enqueue()
+        wait_out_outages(self._start, "publishing the job", self.sleep)
         failures = 0
         while True:
             try:
@@ -114,7 +112,16 @@ class Follower:
                 failures += 1
                 log.warning("Redis unreachable (%s); following again in %.1f s", exc, delay)
                 self.sleep(delay)
-        self.r.delete(keys.job_follower(self.job))
+        wait_out_outages(lambda: self.r.delete(keys.job_follower(self.job)), "leaving",
+                         self.sleep)  # fmt: skip
+
+    def _start(self) -> None:
+        """Wait out a recovery under way, then publish the job (safe to repeat: the
+        enqueue resumes from Redis)."""
+        while self.r.exists(keys.job_behind(self.job)):
+            self.beat()
+            self.sleep(self.poll_s)
+        self._enqueue()
 
     def step(self) -> bool:
         """One pass; True once every prompt of the job is committed or dead-lettered."""

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from regen.common.backoff import Backoff
 from regen.common.connection import OUTAGE_ERRORS
@@ -20,6 +21,7 @@ from regen.producer.enqueue import Enqueuer
 from regen.producer.enqueue_stats import EnqueueStats
 
 log = logging.getLogger("regen.enqueue")
+T = TypeVar("T")
 REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 # Counts that add up across the resumed runs; the others describe the last one.
 _SUMMED = ("rows_read", "enqueued", "duplicates", "rejected", "chunks", "already_settled",
@@ -55,3 +57,21 @@ def run_through_outages(
     for name in _SUMMED:
         setattr(last, name, sum(getattr(run, name) for run in [*runs, stats]))
     return last
+
+
+def wait_out_outages(
+    call: Callable[[], T], what: str, sleep: Callable[[float], None] = time.sleep
+) -> T:
+    """`call()`, called again with backoff while Redis is unreachable: for the steps
+    around a run (storing the spec at start-up, a follower's first pass) that a Redis
+    restart or failover may hit as well. `call` must be safe to repeat."""
+    failures = 0
+    while True:
+        try:
+            return call()
+        except OUTAGE_ERRORS as exc:
+            delay = REDIS_RETRY.delay(failures)
+            failures += 1
+            log.warning("Redis unreachable (%s) while %s; trying again in %.1f s",
+                        exc, what, delay)  # fmt: skip
+            sleep(delay)

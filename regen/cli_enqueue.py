@@ -92,7 +92,7 @@ def enqueue(
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.common.celery_app import make_app
     from regen.producer.enqueue import Enqueuer, expand_datasets
-    from regen.producer.outages import run_through_outages
+    from regen.producer.outages import run_through_outages, wait_out_outages
     from regen.producer.progress import ProgressDisplay, nothing_to_generate, summary
     from regen.producer.spec import save_job
 
@@ -101,7 +101,8 @@ def enqueue(
     r = connection.client(url)
     try:
         # The stored spec: an existing job keeps the prompt-text rule it was made with.
-        prepared = save_job(r, prepared)
+        # A Redis restarting or failing over as the command starts is waited out.
+        prepared = wait_out_outages(lambda: save_job(r, prepared), "storing the job's spec")
     except jobspec.JobSpecMismatch as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(

@@ -3,6 +3,9 @@ with backoff, resumes in a fresh enqueuer, and its summary adds up every resumed
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,10 @@ import redis
 
 from regen.producer.enqueue_stats import EnqueueStats
 from regen.producer.outages import REDIS_RETRY, run_through_outages
+from tests.helpers import user_rows, write_jsonl
+from tests.redis_server import RedisServer, free_port
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ScriptedEnqueuer:
@@ -54,3 +61,35 @@ def test_a_wrong_command_is_not_an_outage() -> None:
     make = scripted((1, redis.ResponseError("WRONGTYPE")), (1, None))
     with pytest.raises(redis.ResponseError):
         run_through_outages(make, [], sleep=lambda s: None)
+
+
+def test_enqueue_started_while_redis_is_down_waits_for_it(tmp_path: Path) -> None:
+    """A follower (or any enqueue) started during a Redis restart or failover stores its
+    spec once Redis answers, instead of dying with a traceback (the chaos harness's
+    failover seeds hit it: `follower exited 1`, MasterNotFoundError in save_job)."""
+    port = free_port()
+    path = write_jsonl(tmp_path / "rows.jsonl", user_rows(6))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "regen", "enqueue", str(path), "--job", "o", "--model",
+         "smollm2", "--max-new-tokens", "8", "--redis-url", f"redis://127.0.0.1:{port}/0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # Redis comes up only once the command has found it down and waits for it.
+        assert producer.stdout is not None
+        seen = ""
+        while "Redis unreachable" not in seen:
+            line = producer.stdout.readline()  # EOF ("") once the command exits
+            assert line, f"the command exited without waiting for Redis:\n{seen}"
+            seen += line
+        server = RedisServer(data_dir=tmp_path / "redis", port=port).start()
+        try:
+            out, _ = producer.communicate(timeout=120)
+            assert producer.returncode == 0, out
+            assert "Traceback" not in out
+            assert redis.Redis.from_url(server.url).exists("regen:job:o:spec")
+        finally:
+            server.kill()
+    finally:
+        producer.kill()
