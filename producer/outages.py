@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import redis
+
 from regen.common.backoff import Backoff
 from regen.common.connection import OUTAGE_ERRORS
 from regen.producer.enqueue import Enqueuer
@@ -44,6 +46,8 @@ def run_through_outages(
             enqueuer = make()  # its Celery producer connects: inside the outage's reach
             stats = enqueuer.run(datasets, limit=limit)
             break
+        except redis.AuthenticationError:
+            raise  # a ConnectionError to redis-py, but no outage: waiting will not fix it
         except OUTAGE_ERRORS as exc:
             if enqueuer is not None:
                 runs.append(enqueuer.stats)
@@ -69,6 +73,8 @@ def wait_out_outages(
     while True:
         try:
             return call()
+        except redis.AuthenticationError:
+            raise  # a ConnectionError to redis-py, but no outage: waiting will not fix it
         except OUTAGE_ERRORS as exc:
             delay = REDIS_RETRY.delay(failures)
             failures += 1
