@@ -11,6 +11,8 @@ from regen.common import connection, defaults, gc_tuning, jobspec, keys
 from regen.options import int_option, job_options, prepare_job_or_fail, redis_url_option
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from regen.producer.enqueue_stats import EnqueueStats
     from regen.producer.spec import JobOptions
 
@@ -113,26 +115,32 @@ def enqueue(
     enqueuer_app = make_app(url)
     files = expand_datasets(list(datasets))
     gc_tuning.tune_for_throughput()  # start-up is done: the tokenizer is loaded
+
+    def publish(also_on_progress: Callable[[], object] = lambda: None) -> EnqueueStats:
+        """One enqueue pass over the files, through Redis outages, with its summary."""
+        with ProgressDisplay() as progress:
+
+            def on_progress(stats: EnqueueStats) -> None:
+                progress(stats)
+                also_on_progress()
+
+            stats = run_through_outages(
+                lambda: Enqueuer(
+                    r, enqueuer_app, prepared, high_water=high_water, on_progress=on_progress
+                ),
+                files,
+                limit=limit,
+            )
+        click.echo(summary(stats, options.job))
+        return stats
+
     if follow:
         from regen.producer.follow import Follower
 
-        def publish() -> None:
-            with ProgressDisplay() as progress:
-
-                def on_progress(stats: EnqueueStats) -> None:
-                    progress(stats)
-                    follower.beat_if_due()  # a long pass keeps the job followed
-
-                stats = run_through_outages(
-                    lambda: Enqueuer(
-                        r, enqueuer_app, prepared, high_water=high_water, on_progress=on_progress
-                    ),
-                    files,
-                    limit=limit,
-                )
-            click.echo(summary(stats, options.job))
-
-        follower = Follower(r, options.job, publish, lambda: save_job(r, prepared))
+        # A long pass keeps the job followed.
+        follower = Follower(
+            r, options.job, lambda: publish(follower.beat_if_due), lambda: save_job(r, prepared)
+        )
         click.echo(f"job {options.job}: following it until every prompt has a place", err=True)
         # Stopped as a service is (SIGTERM): a clean exit, its key gone at once so that
         # `regen status` says the job is unfollowed. Anywhere is safe to stop at: the
@@ -148,14 +156,6 @@ def enqueue(
         click.echo(f"job {options.job}: every prompt has a place; {follower.requeued} "
                    "prompt(s) found in no place were queued again")  # fmt: skip
         return
-    with ProgressDisplay() as progress:
-        stats = run_through_outages(
-            lambda: Enqueuer(
-                r, enqueuer_app, prepared, high_water=high_water, on_progress=progress
-            ),
-            files,
-            limit=limit,
-        )
-    click.echo(summary(stats, options.job))
+    stats = publish()
     if not r.hlen(keys.job_chunks(options.job)):  # no chunk ever published: nothing runs
         click.echo(nothing_to_generate(stats, options.job, len(files)), err=True)
