@@ -49,6 +49,7 @@ class SentinelCluster:
         conf = folder / "sentinel.conf"  # a sentinel rewrites its config: a file of its own
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {folder}\n"
+            f"logfile {folder / 'sentinel.log'}\n"  # kept with a failed chaos seed's folder
             f"sentinel monitor {MASTER} 127.0.0.1 {self.primary.port} 2\n"
             f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
@@ -94,6 +95,31 @@ class SentinelCluster:
             and replica.get("state") == "online"
             and int(replica["offset"]) == int(info["master_repl_offset"])
         )
+
+    def steady(self) -> bool:
+        """Every sentinel names the same primary, it says it is one, and its replica has
+        applied every write the primary had taken when asked: a failover now would lose
+        nothing. (A replica restarted from its own stale files serves them until its first
+        sync; promoted then, it would roll the job back.)"""
+        try:
+            ports = {
+                int(sentinel(port).sentinel_get_master_addr_by_name(MASTER)[1])
+                for port in self.sentinel_ports
+            }
+            if len(ports) != 1:
+                return False
+            primary = redis.Redis(port=ports.pop(), socket_timeout=2).info("replication")
+            listed = primary.get("slave0")
+            if primary.get("role") != "master" or not listed:
+                return False
+            # The replica's own offset, read after the primary's: the ack the primary
+            # lists trails by up to a second under a steady trickle of writes.
+            replica = redis.Redis(port=int(listed["port"]), socket_timeout=2).info("replication")
+        except (redis.RedisError, TypeError):  # TypeError: a sentinel that names none
+            return False
+        return replica.get("master_link_status") == "up" and int(
+            replica.get("slave_repl_offset", -1)
+        ) >= int(primary["master_repl_offset"])
 
     def stop(self) -> None:
         for process in self._sentinels:

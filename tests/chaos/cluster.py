@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -90,9 +89,17 @@ class Redis(_Snapshots):
     def tend(self) -> None:
         """Nothing to do between faults (SentinelRedis restarts a failed-over primary)."""
 
+    def steady(self) -> bool:
+        """Always: one server, nothing to fail over to."""
+        return True
+
+    def events(self) -> str:
+        """Nothing to report: no sentinels."""
+        return ""
+
     def stop(self) -> None:
+        """Stop the server; its folder stays with the seed's."""
         self.server.kill()
-        shutil.rmtree(self.server.data_dir, ignore_errors=True)
 
 
 class SentinelRedis(_Snapshots):
@@ -144,6 +151,11 @@ class SentinelRedis(_Snapshots):
             if self.primary() is not server:
                 self._restart(server)
 
+    def steady(self) -> bool:
+        """Both servers up, the sentinels agreed, the replica caught up: the job is not
+        judged settled while a failover could still roll it back (SentinelCluster.steady)."""
+        return not self.down and self.cluster.steady()
+
     def _restart(self, server: RedisServer) -> None:
         others = [other for other in self.servers if other is not server]
         master = self.primary()
@@ -155,9 +167,17 @@ class SentinelRedis(_Snapshots):
         if server in self.down:
             self.down.remove(server)
 
+    def events(self) -> str:
+        """What the first sentinel saw happen to the primary (failovers, outages, TILT),
+        for a failed seed's report."""
+        log = self.folder / "sentinel-0" / "sentinel.log"
+        marks = ("+sdown", "-sdown", "+odown", "+switch-master", "+tilt", "+failover-end")
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        return " | ".join(line[line.find("#") :] for line in lines if any(m in line for m in marks))
+
     def stop(self) -> None:
+        """Stop every process; the folder (data, sentinel logs) stays with the seed's."""
         self.cluster.stop()
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class Follower:

@@ -316,7 +316,10 @@ class Run:
                 slots[0].crashpoint = slots[0].crashpoint or point
 
     def settled(self, expected: list[str]) -> bool:
-        """Every id committed or dead-lettered, and nothing left in between."""
+        """Every id committed or dead-lettered, nothing left in between, and Redis steady
+        (nothing more a fault set off can still roll back)."""
+        if not self.redis.steady():
+            return False
         r = self.r
         owners = CommitLedger(r, JOB).owner_of(expected)
         dead = dlq.dead_lettered(r, JOB, expected)
@@ -580,6 +583,8 @@ def run_seed(env: Environment, scenario: Scenario, work: Path, keep: bool = Fals
             run.redis.stop()
     outcome.worker_exits = run.workers.restarts()
     outcome.window_kills = run.workers.window_kills
+    if not outcome.ok and (events := run.redis.events()):
+        outcome.violations.insert(0, f"sentinel events: {events}")
     if not outcome.ok:
         (work / "violations.txt").write_text(
             "\n".join(outcome.violations) + "\n\n" + run.workers.logs()
