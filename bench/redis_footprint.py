@@ -37,8 +37,7 @@ from regen.common.celery_app import make_app
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
-from regen.consumers.generate.lease import LeaseBook
-from regen.consumers.generate.settle import mark_generated
+from regen.consumers.generate.chunk_life import LeaseBook, mark_generated
 from regen.consumers.tokenize.commit import CommitLedger
 from regen.consumers.tokenize.shard_files import ShardInfo, shard_name
 from regen.producer.publish import ChunkPublisher

@@ -1,6 +1,6 @@
 """Exponential backoff, the one formula behind every wait-and-retry in regen: a request
 an SGLang server failed, a server that refused work, a down server's health probe, an
-engine that is unavailable.
+engine that is unavailable, and a process waiting out a Redis outage (REDIS_RETRY).
 
 The n-th wait (n from 0) is at most `base_s * 2**n`, capped at `max_s`; `jitter` is the
 share of it drawn at random, so a fleet of retries does not stampede: 1.0 waits anywhere
@@ -33,3 +33,8 @@ class Backoff:
     def delay(self, attempt: int) -> float:
         """How long to wait after `attempt` earlier failures."""
         return self.ceiling(attempt) * random.uniform(1 - self.jitter, 1)
+
+
+# Waits between tries while Redis is unreachable, in every process (a chunk's write under
+# its lease, a tokenize commit, the producer's publish and follow passes).
+REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)

@@ -22,7 +22,7 @@ TOKENIZE_OUTPUTS = f"{PREFIX}:tokenize:outputs"
 # kombu's Redis transport keeps delivered, unacknowledged messages of every queue in
 # this hash: delivery tag -> JSON [message, exchange, routing key]. Named by kombu
 # (Channel.unacked_key); regen reads it, and removes a chunk's entry when it settles the
-# delivery itself (consumers/generate/lease.py).
+# delivery itself (consumers/generate/chunk_life/lease.py).
 KOMBU_UNACKED = "unacked"
 # ...and, in this sorted set, delivery tag -> delivery time (Channel.unacked_index_key):
 # kombu's sweep restores a message whose score is older than the visibility timeout. A
@@ -101,14 +101,14 @@ def job_chunks(job: str) -> str:
 
 def chunk_attempts(job: str, chunk_id: str) -> str:
     """List: JSON {worker, time, status, error}, one per delivery of the chunk that
-    started; the last one holds the chunk's lease (consumers/generate/lease.py)."""
+    started; the last one holds the chunk's lease (consumers/generate/chunk_life/lease.py)."""
     return _job(job, f"attempts:{chunk_id}")
 
 
 def chunk_writes(job: str, chunk_id: str) -> str:
     """String: how many writes the chunk's current delivery made under its lease, set to
     0 when a delivery starts; a count lower than the worker's own means Redis lost some
-    (restored from an older copy: consumers/generate/lease.py)."""
+    (restored from an older copy: consumers/generate/chunk_life/lease.py)."""
     return _job(job, f"writes:{chunk_id}")
 
 

@@ -42,7 +42,7 @@ import orjson
 import redis
 
 from regen.common import jobspec, keys, settings
-from regen.common.backoff import Backoff
+from regen.common.backoff import REDIS_RETRY
 from regen.common.connection import OUTAGE_ERRORS
 from regen.ops.accounting import count_places, text
 from regen.ops.reconcile import missing_ids
@@ -51,7 +51,6 @@ from regen.producer.enqueue import reread_from_start
 from regen.producer.outages import wait_out_outages
 
 log = logging.getLogger("regen.enqueue")
-REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 # The follower key outlives this many passes without renewal.
 HEARTBEAT_PASSES = 3
 

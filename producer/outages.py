@@ -17,14 +17,13 @@ from typing import TypeVar
 
 import redis
 
-from regen.common.backoff import Backoff
+from regen.common.backoff import REDIS_RETRY
 from regen.common.connection import OUTAGE_ERRORS
 from regen.producer.enqueue import Enqueuer
 from regen.producer.enqueue_stats import EnqueueStats
 
 log = logging.getLogger("regen.enqueue")
 T = TypeVar("T")
-REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 # Counts that add up across the resumed runs; the others describe the last one.
 _SUMMED = ("rows_read", "enqueued", "duplicates", "rejected", "chunks", "already_settled",
            "conversations_resumed")  # fmt: skip

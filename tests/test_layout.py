@@ -31,3 +31,52 @@ def test_neither_the_producer_nor_common_imports_a_consumer() -> None:
             for name, imported in modules.items()
         }
         assert {name: m for name, m in reaching.items() if m} == {}, folder
+
+
+CHUNK_LIFE = "regen.consumers.generate.chunk_life"
+
+
+def python_files(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (REPO / folder).rglob("*.py"))
+
+
+def test_code_outside_chunk_life_uses_its_public_face() -> None:
+    """A chunk's life is one package (docs/design.md, A chunk's states): the rest of the
+    code imports its `__init__`, never one of its modules."""
+    inside = REPO / "consumers" / "generate" / "chunk_life"
+    reaching = {}
+    for path in python_files("consumers", "producer", "common", "regen", "bench"):
+        if path.is_relative_to(inside) or path.is_symlink():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                CHUNK_LIFE + "."
+            ):
+                reaching[str(path.relative_to(REPO))] = node.module
+    assert reaching == {}
+
+
+def test_one_writer_of_a_chunks_generated_marks() -> None:
+    """Within the generate worker only chunk_life/state.py writes a chunk's `generated`
+    set (its scripts and `mark_generated`); lease.py only names the key for them."""
+    writers = {
+        str(path.relative_to(REPO))
+        for path in python_files("consumers")
+        if "chunk_generated(" in path.read_text() or "SADD', KEYS" in path.read_text()
+    }
+    assert writers == {
+        "consumers/generate/chunk_life/state.py",
+        "consumers/generate/chunk_life/lease.py",
+    }
+    lease = (REPO / "consumers/generate/chunk_life/lease.py").read_text()
+    assert ".sadd(" not in lease and "SADD" not in lease
+
+
+def test_one_redis_retry() -> None:
+    """Every process waits out a Redis outage with the same backoff, defined once."""
+    defining = [
+        str(path.relative_to(REPO))
+        for path in python_files("consumers", "producer", "common", "regen")
+        if not path.is_symlink() and "REDIS_RETRY = " in path.read_text()
+    ]
+    assert defining == ["common/backoff.py"]

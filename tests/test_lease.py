@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from regen.common import defaults, keys
-from regen.consumers.generate.lease import ChunkLease, HandOff, LeaseBook, LeaseLost
+from regen.consumers.generate.chunk_life import ChunkLease, HandOff, LeaseBook, LeaseLost
 from tests.test_redis_restore import dump_all, restore_all
 
 TAG = "delivery-tag-1"

@@ -16,7 +16,7 @@ import redis
 
 from regen.common import keys
 from regen.common.backoff import Backoff
-from regen.consumers.generate import settle
+from regen.consumers.generate.chunk_life import policy
 from regen.consumers.generate.engine import (
     EngineDown,
     EngineUnavailable,
@@ -59,10 +59,10 @@ def _retry(engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch) -> GenerateR
     async def fake_sleep(seconds: float) -> None:  # a fake clock: no real waiting
         slept.append(seconds)
 
-    monkeypatch.setattr(settle.asyncio, "sleep", fake_sleep)
-    monkeypatch.setattr(settle, "ENGINE_RETRY", Backoff(1.0, 60.0, jitter=0))
+    monkeypatch.setattr(policy.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(policy, "ENGINE_RETRY", Backoff(1.0, 60.0, jitter=0))
     runner = SimpleNamespace(engine=engine)
-    return asyncio.run(settle.generate_with_retry(runner, REQUEST))  # type: ignore[arg-type]
+    return asyncio.run(policy.generate_with_retry(runner, REQUEST))  # type: ignore[arg-type]
 
 
 def test_a_failing_healthy_engine_is_retried_without_a_chunk_deadline(
@@ -72,12 +72,12 @@ def test_a_failing_healthy_engine_is_retried_without_a_chunk_deadline(
     engine = ScriptedEngine(*(EngineUnavailable("bad answers") for _ in range(20)))
     assert _retry(engine, monkeypatch) is RESULT
     assert len(engine.outage_limits) == 21
-    assert set(engine.outage_limits) == {settle.GIVE_BACK_AFTER_S}
+    assert set(engine.outage_limits) == {policy.GIVE_BACK_AFTER_S}
 
 
 def test_an_outage_gives_the_chunk_back(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = ScriptedEngine(EngineDown("no SGLang server healthy for 75 s"))
-    with pytest.raises(settle.ChunkDeferred, match="no SGLang server healthy"):
+    with pytest.raises(policy.ChunkDeferred, match="no SGLang server healthy"):
         _retry(engine, monkeypatch)
     assert len(engine.outage_limits) == 1
 

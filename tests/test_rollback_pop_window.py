@@ -15,7 +15,7 @@ import redis
 
 from regen.common import jobspec, keys
 from regen.common.queues import queue_lists, queued_chunks
-from regen.consumers.generate.lease import ChunkLease, LeaseBook, LeaseLost
+from regen.consumers.generate.chunk_life import ChunkLease, LeaseBook, LeaseLost
 from tests.generate_harness import (
     PROMPTS,
     Worker,

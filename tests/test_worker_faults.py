@@ -48,7 +48,7 @@ def test_a_reject_on_a_channel_closed_by_a_lost_connection_is_a_connection_error
         message = queue.get(no_ack=False)
         assert message is not None and r.hlen("unacked") == 1
         # What Celery does on a lost connection, with held chunks left held
-        # (lease_celery.LeaseKeepingConsumer): close the channel, restoring nothing.
+        # (chunk_life.LeaseKeepingConsumer): close the channel, restoring nothing.
         channel.do_restore = False
         channel.close()
         # The chunk's reject, as Celery's event loop runs it: kombu's connection errors

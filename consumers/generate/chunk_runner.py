@@ -5,8 +5,8 @@ Each result is handed off (XADD on the job's results stream) in the same script 
 marks the prompt generated for this chunk (the results finished by then go together,
 one round trip), so a redelivered chunk (its worker died,
 or was frozen past its lease) skips the prompts already handed off. Every such write
-goes through commit.py and checks, in its transaction, that this delivery still holds
-the chunk's lease (lease.py): a worker that lost it drops its results. The delivery is
+goes through chunk_life (its handoff.py) and checks, in its transaction, that this
+delivery still holds the chunk's lease: a worker that lost it drops its results. The delivery is
 acknowledged only after every prompt is in the results stream or the DLQ
 (docs/design.md, Delivery protocol). A chunk of conversations (`--turns all`) runs each
 one's turns in order (turns.py), each turn settled through the same commit path.
@@ -23,21 +23,26 @@ from typing import Any, cast
 
 import redis
 
-from regen.common import crashpoints, defaults, keys
+from regen.common import crashpoints, defaults
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.common.connection import OUTAGE_ERRORS, bytes_set
-from regen.consumers.generate import commit
+from regen.common.connection import OUTAGE_ERRORS
+from regen.consumers.generate.chunk_life import (
+    BEFORE_ACK,
+    Attempt,
+    ChunkDeferred,
+    ChunkLease,
+    LeaseLost,
+    attempts_spent,
+    generate_with_retry,
+    hand_off,
+    read_generated,
+    write_dead_letters,
+)
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
-from regen.consumers.generate.lease import Attempt, ChunkLease, LeaseLost
+from regen.consumers.generate.prompt_outcomes import dead_letter, generated_result
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.runner import Outcome
-from regen.consumers.generate.settle import (
-    ChunkDeferred,
-    dead_letter,
-    generate_with_retry,
-    generated_result,
-)
 from regen.consumers.generate.turn_state import dead_letter_conversation
 from regen.consumers.generate.turns import run_conversations
 
@@ -82,7 +87,7 @@ def _dead_letter_all(
                 count += dead_letter_conversation(ctx.redis, pipe, chunk, prompt, settled, **letter)
         return count
 
-    return commit.dead_letter(ctx, lease, fill)
+    return write_dead_letters(ctx, lease, fill)
 
 
 def _hand_off(
@@ -93,14 +98,14 @@ def _hand_off(
     sampling: dict[str, Any],
 ) -> None:
     """Hand completed prompts to the tokenize stage, each result with its mark, in
-    batches of one script each (commit.py)."""
+    batches of one script each (chunk_life.hand_off)."""
     for start in range(0, len(completed), defaults.HAND_OFF_BATCH):
         batch = [
             generated_result(chunk, prompt, result, worker=ctx.worker,
                              attempt=lease.attempt, sampling=sampling)
             for prompt, result in completed[start : start + defaults.HAND_OFF_BATCH]
         ]  # fmt: skip
-        commit.hand_off(ctx, lease, chunk, batch)
+        hand_off(ctx, lease, chunk, batch)
 
 
 def _reject(
@@ -119,7 +124,7 @@ def _reject(
         )
         return 1
 
-    commit.dead_letter(ctx, lease, fill, prompt_id=prompt.id)
+    write_dead_letters(ctx, lease, fill, prompt_id=prompt.id)
 
 
 def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkOutcome:
@@ -147,20 +152,14 @@ def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkO
 def _run_chunk(
     ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, history: list[Attempt]
 ) -> ChunkOutcome:
-    settled = bytes_set(ctx.redis.smembers(keys.chunk_generated(chunk.job, chunk.chunk_id)))
-    done = {m.decode() for m in settled}
+    done = read_generated(ctx.redis, chunk)
     todo = [p for p in chunk.prompts if not done.issuperset(p.accounted_ids)]
-    # "started" entries other than this one are deliveries whose worker died.
-    failed = [
-        h
-        for i, h in enumerate(history)
-        if i != lease.attempt and h["status"] in ("started", "failed")
-    ]
-    if len(failed) >= ctx.max_attempts:
+    spent = attempts_spent(history, lease.attempt, ctx.max_attempts)
+    if spent is not None:
         log.error(
             "chunk %s: %d deliveries died or failed; dead-lettering its %d open prompts",
             chunk.chunk_id,
-            len(failed),
+            spent,
             len(todo),
         )
         dead_lettered = _dead_letter_all(ctx, lease, chunk, todo, done, history)
@@ -181,7 +180,7 @@ def _run_chunk(
     except Exception as exc:
         lease.give_back(ctx.redis, ctx.worker, "failed", error=repr(exc))
         raise
-    crashpoints.hit(commit.BEFORE_ACK)  # every prompt settled, the chunk not acknowledged
+    crashpoints.hit(BEFORE_ACK)  # every prompt settled, the chunk not acknowledged
     lease.finish(ctx.redis, ctx.worker)
     return ChunkOutcome(generated, len(done), dead_lettered)
 

@@ -13,8 +13,8 @@ import redis
 from regen.common import defaults, jobspec, refusals
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
+from regen.consumers.generate.chunk_life import LeaseBook
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
-from regen.consumers.generate.lease import LeaseBook
 from regen.consumers.generate.runner import EngineRunner
 
 

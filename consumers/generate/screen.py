@@ -18,7 +18,7 @@ chunk that ends after its channel was closed by a lost connection is acked or re
 on that closed channel (see ScreeningChannel._create_client).
 
 And it keeps, for each message it delivers, the bytes it popped and the list it popped
-them from, in the worker's lease book (lease.py), under the delivery tag kombu records
+them from, in the worker's lease book (chunk_life), under the delivery tag kombu records
 the delivery by: a copy of Redis taken between the pop and that record holds the message
 nowhere, and the worker whose lease that rollback ends puts it back
 (`ChunkLease.hand_back_if_forgotten`; docs/design.md, Delivery protocol).
@@ -34,7 +34,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 
 from regen.common import sentinel_url
-from regen.consumers.generate.lease import LeaseBook
+from regen.consumers.generate.chunk_life import LeaseBook
 from regen.consumers.generate.poison import PoisonFilter
 
 
@@ -64,7 +64,7 @@ def screening_transport(
         def _create_client(self, asynchronous: bool = False) -> Any:
             if self.connection is None:
                 # Celery closed this channel when its connection was lost (keeping what
-                # it delivered unacked: lease_celery.py), and a chunk that ran on through
+                # it delivered unacked: chunk_life), and a chunk that ran on through
                 # it is being acked or rejected on it now. kombu would fail building a
                 # client here with AttributeError, which Celery takes for an unrecoverable
                 # error and stops the worker. Lost is what the connection is: kombu logs

@@ -11,15 +11,16 @@ from celery.exceptions import Reject
 
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
+from regen.consumers.generate.chunk_life import (
+    REQUEUE_PAUSE_S,
+    ChunkDeferred,
+    LeaseLost,
+    make_request_class,
+)
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.lease import LeaseLost
-from regen.consumers.generate.lease_celery import make_request_class
-from regen.consumers.generate.settle import ChunkDeferred
 
 log = logging.getLogger("regen.generate")
-
-REQUEUE_PAUSE_S = 2.0
 
 
 def register(app: Celery, ctx: ChunkContext) -> None:

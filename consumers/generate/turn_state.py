@@ -1,6 +1,6 @@
 """Where a conversation stands (`--turns all`), and how each of its turns is settled.
 
-A turn is handed off as any result is (commit.py, under the chunk's lease), with the
+A turn is handed off as any result is (chunk_life, under the chunk's lease), with the
 target's answer written into the conversation's checkpoint (`keys.conversation_answers`)
 in the same script, or the checkpoint deleted with the last turn. Only the delivery
 holding the chunk's lease writes, so a turn is handed off once even when its chunk runs
@@ -28,9 +28,9 @@ from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, blocked_letters, turn_id
 from regen.common.output_calls import with_call_ids
 from regen.common.results import GeneratedResult
-from regen.consumers.generate.lease import Checkpoint
+from regen.consumers.generate.chunk_life import Checkpoint, mark_generated
+from regen.consumers.generate.prompt_outcomes import dead_letter
 from regen.consumers.generate.reasons import Reason
-from regen.consumers.generate.settle import dead_letter, mark_generated
 
 
 class HistoryLost(RuntimeError):
@@ -151,7 +151,7 @@ def checkpoint(chunk: Chunk, turn: Turn, answer: dict[str, Any]) -> Checkpoint:
 
 
 def dead_letter_turn(pipe: redis.client.Pipeline, chunk: Chunk, turn: Turn, **letter: Any) -> int:
-    """Dead-letter the turn (settle.dead_letter's arguments) with what resuming it needs,
+    """Dead-letter the turn (prompt_outcomes.dead_letter's arguments) with what resuming it needs,
     block the turns after it, and drop the checkpoint. Returns the turns settled."""
     rest = turn.conversation.from_turn(turn.index)
     first = dead_letter(pipe, chunk, turn.prompt, conversation=rest.to_dict(), **letter)

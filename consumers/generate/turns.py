@@ -7,7 +7,7 @@ side by side. The worker drives the turns, rather than the tokenize stage enqueu
 each next one, because the next turn then reaches the same engine seconds after the
 previous one, while its prefix is still in SGLang's radix cache, and no turn waits for
 a round trip through shards and queues. Each turn is settled (handed off or
-dead-lettered) through commit.py, under the chunk's lease like every other result; how a
+dead-lettered) through chunk_life, under the chunk's lease like every other result; how a
 redelivered chunk resumes is turn_state.py's.
 """
 
@@ -22,15 +22,17 @@ import redis
 from regen.common import crashpoints
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.consumers.generate import commit
+from regen.consumers.generate.chunk_life import (
+    ChunkLease,
+    LeaseLost,
+    generate_with_retry,
+    hand_off,
+    write_dead_letters,
+)
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
-from regen.consumers.generate.lease import ChunkLease, LeaseLost
+from regen.consumers.generate.prompt_outcomes import generated_result
 from regen.consumers.generate.reasons import Reason
-from regen.consumers.generate.settle import (
-    generate_with_retry,
-    generated_result,
-)
 from regen.consumers.generate.turn_state import (
     ToolCallDiverged,
     Turn,
@@ -148,7 +150,7 @@ class _Conversations:
         marks = [checkpoint(self.chunk, turn, answer)]
         # Settled already only by this same write, retried after its reply was lost (no
         # other delivery writes while this one holds the lease): its answer is this one.
-        if commit.hand_off(self.ctx, self.lease, self.chunk, [turn.result(result)], marks)[0]:
+        if hand_off(self.ctx, self.lease, self.chunk, [turn.result(result)], marks)[0]:
             self.generated += 1
         try:
             following = next_turn(turn, answer)
@@ -172,7 +174,7 @@ class _Conversations:
                 **payload,
             )
 
-        self.dead_lettered += commit.dead_letter(self.ctx, self.lease, fill, turn.prompt.id)
+        self.dead_lettered += write_dead_letters(self.ctx, self.lease, fill, turn.prompt.id)
 
 
 def run_conversations(

@@ -20,10 +20,10 @@ from regen.common import connection, defaults, gc_tuning, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import screen
+from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow import make_flow_control
-from regen.consumers.generate.lease_celery import LeaseKeepingConsumer
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.runner import EngineRunner
@@ -177,7 +177,7 @@ def run_worker(options: WorkerOptions) -> None:
 
     app: Celery = make_app(url)
     screen.install(app, PoisonFilter(r, name), ctx.leases)
-    # A lost connection leaves held chunks held (their leases decide): lease_celery.py.
+    # A lost connection leaves held chunks held (their leases decide): chunk_life.
     app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)
     app.steps["consumer"].add(make_queue_gate(state))

@@ -21,7 +21,7 @@ import orjson
 import redis
 
 from regen.common import defaults, jobspec, keys, refusals, settings
-from regen.common.backoff import Backoff
+from regen.common.backoff import REDIS_RETRY
 from regen.common.chat_family import detect_family
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.heartbeat import last_seen
@@ -40,8 +40,6 @@ from regen.consumers.tokenize.takeover import (
 )
 
 log = logging.getLogger("regen.tokenize")
-# Waits between tries while Redis is unreachable (restarting, loading its AOF).
-REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 
 # Pending shards are looked at this often; within a lease, so a dead consumer's claims
 # are resolved soon after they expire.

@@ -19,7 +19,9 @@ lost is never acknowledged: it comes back and redoes them. The worker settles ea
 delivery itself, in the same kind of transaction: done removes it from kombu's keys, a
 give-back sets its score to 0 so the next sweep restores it, and a lost lease touches
 nothing (the delivery belongs to whoever holds it now). Celery then only updates its
-local count of held messages (lease_celery.py). See docs/design.md, Delivery protocol.
+local count of held messages (celery_delivery.py). The keys and scripts each write
+touches are state.py's; the book of leases a worker holds and renews is book.py's. See
+docs/design.md, Delivery protocol.
 """
 
 from __future__ import annotations
@@ -27,138 +29,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
-import orjson
 import redis
 
-from regen.common import defaults, keys, settings
-from regen.common.backoff import Backoff
+from regen.common import keys
+from regen.common.backoff import REDIS_RETRY
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.results import FIELD as RESULT_FIELD
+from regen.consumers.generate.chunk_life.policy import lease_s
+from regen.consumers.generate.chunk_life.state import (
+    ACK_LUA,
+    CHUNK_STATE_TTL_S,
+    LOST_WHY,
+    attempt_entry,
+)
+
+if TYPE_CHECKING:
+    from regen.consumers.generate.chunk_life.book import LeaseBook
 
 log = logging.getLogger("regen.generate")
-# Waits between tries of a write while Redis is unreachable.
-REDIS_RETRY = Backoff(base_s=0.5, max_s=30.0, jitter=0.5)
 
-Attempt = dict[str, object]
 T = TypeVar("T")
-
-# KEYS: unacked_index, then per lease its attempts list, write count and generated set.
-# ARGV: now, state TTL, then per lease its delivery tag ('' = none) and attempt index.
-# Renews the leases still held (and, when half gone, the TTL of their chunk's state);
-# returns the 1-based positions of the leases lost.
-_RENEW_LUA = """
-local lost = {}
-local ttl = tonumber(ARGV[2])
-for i = 1, (#KEYS - 1) / 3 do
-  local attempts, writes, generated = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
-  local tag = ARGV[2 * i + 1]
-  local held = redis.call('LLEN', attempts) == tonumber(ARGV[2 * i + 2]) + 1
-  if held and tag ~= '' then held = redis.call('ZSCORE', KEYS[1], tag) ~= false end
-  if held then
-    if tag ~= '' then redis.call('ZADD', KEYS[1], 'XX', ARGV[1], tag) end
-    for _, key in ipairs({attempts, writes, generated}) do
-      if redis.call('TTL', key) < ttl / 2 then redis.call('EXPIRE', key, ttl) end
-    end
-  else
-    table.insert(lost, i)
-  end
-end
-return lost
-"""
-
-
-# KEYS: unacked_index, unacked, the chunk's generated set, its write count; ARGV: the
-# delivery tag. kombu's ack, and the end of the chunk's `generated` set (one id per
-# prompt) and write count once it is acked: nothing redelivers an acked chunk (kombu's
-# restore is a transaction watching `unacked`, which this HDEL changes), so they would
-# only wait out their TTL. If the
-# sweep restored the delivery after the lease check (its tag is gone from the index),
-# the chunk is queued again and the set stays for its next delivery. The attempts list
-# (one entry per delivery) stays for its TTL: the chunk's history (docs/design.md,
-# Delivery protocol).
-_ACK_LUA = """
-local acked = redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if acked == 1 then redis.call('DEL', KEYS[3], KEYS[4]) end
-return acked
-"""
-
-# KEYS: attempts list, write count; ARGV: the attempt's JSON, state TTL.
-# A delivery starts: its attempt appended, the chunk's write count set to 0 for it.
-# Returns every attempt so far (this one last).
-_START_LUA = """
-redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('SET', KEYS[2], 0, 'EX', ARGV[2])
-return redis.call('LRANGE', KEYS[1], 0, -1)
-"""
-
-# KEYS: attempts list, unacked_index, write count, generated set, results stream, then
-# the conversations' checkpoint keys (`--turns all`).
-# ARGV: attempt index, delivery tag ('' = none), writes made, state TTL, the stream's
-# field name, then per result: its prompt id, its encoded result, the position in KEYS
-# of its checkpoint (0 = none), the checkpoint's field and the answer ('' deletes it).
-# The lease check of `ChunkLease.write` and a batch of hand-offs in one atomic step: each
-# result is added to the stream with its prompt's mark (and a turn's answer with it),
-# unless the prompt was settled already (a retry whose first try landed). Returns
-# {0, flag per result: 1 handed off, 0 already settled}, or {status} (_LOST_WHY) when
-# this delivery does not hold the chunk (nothing written).
-_HAND_OFF_LUA = """
-if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
-if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
-local writes = tonumber(redis.call('GET', KEYS[3]))
-local made = tonumber(ARGV[3])
-if writes ~= made and writes ~= made + 1 then return {3} end
-redis.call('SET', KEYS[3], made + 1, 'EX', ARGV[4])
-local flags = {0}
-for i = 6, #ARGV, 5 do
-  local fresh = redis.call('SADD', KEYS[4], ARGV[i])
-  if fresh == 1 then
-    redis.call('XADD', KEYS[5], '*', ARGV[5], ARGV[i + 1])
-    local at = tonumber(ARGV[i + 2])
-    if at > 0 and ARGV[i + 4] == '' then
-      redis.call('DEL', KEYS[at])
-    elseif at > 0 then
-      redis.call('HSET', KEYS[at], ARGV[i + 3], ARGV[i + 4])
-      redis.call('EXPIRE', KEYS[at], ARGV[4])
-    end
-  end
-  table.insert(flags, fresh)
-end
-redis.call('EXPIRE', KEYS[4], ARGV[4])
-return flags
-"""
-_LOST_WHY = {
-    1: "a later delivery of the chunk started",
-    2: "its delivery went back to the queue",
-    3: "Redis lost writes of this delivery (restored from an older copy)",
-}
-
-# KEYS: unacked, the chunk's attempts list, the job's chunks hash, the list the message
-# was popped from. ARGV: delivery tag, this delivery's attempt index, chunk id, the
-# message as popped. A delivery whose lease was lost puts its message back (RPUSH: the
-# tail BRPOP took it from) only when Redis holds it nowhere: not in `unacked` (held, or
-# waiting for the sweep), the attempts list without this delivery's start (so Redis is
-# behind it: it was neither acked nor restored since), the chunk published (a copy
-# taken before its publish lost its ids too: the producer publishes it again), and the
-# message not on its list (found by its bytes, else by its tag, a UUID: a copy kombu
-# restored carries the redelivered flag; the scan runs only when all else says
-# forgotten). Returns 1 when put back.
-_HAND_BACK_LUA = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[2]) then return 0 end
-if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 0 then return 0 end
-if redis.call('LPOS', KEYS[4], ARGV[4]) then return 0 end
-for _, queued in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
-  if string.find(queued, ARGV[1], 1, true) then return 0 end
-end
-redis.call('RPUSH', KEYS[4], ARGV[4])
-return 1
-"""
 
 
 class LeaseLost(Exception):
@@ -183,10 +76,6 @@ class HandOff(NamedTuple):
     prompt_id: str
     encoded: bytes
     checkpoint: Checkpoint | None = None
-
-
-def _attempt(worker: str, status: str, error: str | None = None) -> bytes:
-    return orjson.dumps({"worker": worker, "time": time.time(), "status": status, "error": error})
 
 
 class ChunkLease:
@@ -289,7 +178,7 @@ class ChunkLease:
                 at, field = len(lua_keys), result.checkpoint.field
                 answer = result.checkpoint.answer or b""
             per_result += [result.prompt_id, result.encoded, at, field, answer]
-        ttl = defaults.CHUNK_STATE_TTL_S
+        ttl = CHUNK_STATE_TTL_S
 
         def run() -> list[int]:
             # The count this delivery has written so far: the same in a retry.
@@ -298,14 +187,14 @@ class ChunkLease:
 
         status, *flags = self._retrying(run)
         if status:
-            self.mark_lost(_LOST_WHY[status])
-            raise LeaseLost(_LOST_WHY[status])
+            self.mark_lost(LOST_WHY[status])
+            raise LeaseLost(LOST_WHY[status])
         self.writes += 1
         return [flag == 1 for flag in flags]
 
     def _retrying(self, write: Callable[[], T]) -> T:
         """Run `write`, waiting out a Redis outage for up to one lease."""
-        deadline = time.monotonic() + settings.current().visibility_timeout_s
+        deadline = time.monotonic() + lease_s()
         failures = 0
         while True:
             try:
@@ -341,7 +230,7 @@ class ChunkLease:
                         return False
                     pipe.multi()
                     # Before `fill`: an ack in it deletes the count with the chunk state.
-                    pipe.set(self.writes_key, self.writes + 1, ex=defaults.CHUNK_STATE_TTL_S)
+                    pipe.set(self.writes_key, self.writes + 1, ex=CHUNK_STATE_TTL_S)
                     fill(pipe)
                     pipe.execute()
                     self.writes += 1
@@ -352,11 +241,11 @@ class ChunkLease:
     def _check(self, pipe: redis.client.Pipeline) -> None:
         writes = pipe.get(self.writes_key)
         if pipe.llen(self.attempts_key) != self.attempt + 1:
-            why = _LOST_WHY[1]
+            why = LOST_WHY[1]
         elif self.tag is not None and pipe.zscore(keys.KOMBU_UNACKED_INDEX, self.tag) is None:
-            why = _LOST_WHY[2]
+            why = LOST_WHY[2]
         elif writes is None or int(writes) not in (self.writes, self.writes + 1):
-            why = _LOST_WHY[3]
+            why = LOST_WHY[3]
         else:
             # One more than this delivery counted: its last write landed, the reply lost.
             # Counted now, so a rollback that loses that write is seen too.
@@ -371,7 +260,7 @@ class ChunkLease:
     def finish(self, r: redis.Redis, worker: str, status: str = "done") -> None:
         """End the attempt and acknowledge the delivery (every prompt is settled)."""
 
-        ack = r.register_script(_ACK_LUA)
+        ack = r.register_script(ACK_LUA)
         lua_keys = [keys.KOMBU_UNACKED_INDEX, keys.KOMBU_UNACKED, self.generated_key,
                     self.writes_key]  # fmt: skip
 
@@ -443,97 +332,4 @@ class ChunkLease:
         self, pipe: redis.client.Pipeline, worker: str, status: str, error: str | None = None
     ) -> None:
         # redis-py's stub types LSET's value as str only; bytes are sent as they are.
-        pipe.lset(self.attempts_key, self.attempt, _attempt(worker, status, error))  # type: ignore[arg-type]
-
-
-class LeaseBook:
-    """The chunks this worker holds: renewed with every heartbeat."""
-
-    def __init__(self, r: redis.Redis) -> None:
-        self.redis = r  # a lost lease's hand-back (ChunkLease.hand_back_if_forgotten)
-        self._lock = threading.Lock()
-        self._held: dict[int, ChunkLease] = {}
-        self._settled: Counter[str | None] = Counter()
-        # Delivery tag -> (the list it was popped from, the message as popped), for the
-        # messages this worker holds: what a lost lease puts back if Redis forgot it.
-        self._popped: dict[str, tuple[bytes, bytes]] = {}
-        self._renew = r.register_script(_RENEW_LUA)
-        self._start = r.register_script(_START_LUA)
-        self.hand_off_script = r.register_script(_HAND_OFF_LUA)
-        self.hand_back_script = r.register_script(_HAND_BACK_LUA)
-
-    def start(
-        self, job: str, chunk_id: str, tag: str | None, worker: str
-    ) -> tuple[ChunkLease, list[Attempt]]:
-        """Record a delivery's attempt and hold its lease; returns it with every attempt
-        so far. An attempt stays "started" unless it ends, so started attempts other
-        than this one are deliveries whose worker died (or still runs elsewhere)."""
-        lua_keys = [keys.chunk_attempts(job, chunk_id), keys.chunk_writes(job, chunk_id)]
-        argv: list[bytes | int] = [_attempt(worker, "started"), defaults.CHUNK_STATE_TTL_S]
-        history = self._start(keys=lua_keys, args=argv)
-        lease = ChunkLease(self, job, chunk_id, tag, len(history) - 1)
-        with self._lock:
-            self._held[id(lease)] = lease
-        return lease, [orjson.loads(h) for h in history]
-
-    def release(self, lease: ChunkLease) -> None:
-        """Stop renewing: the chunk's run is over, settled or not (an unsettled one
-        comes back when its lease runs out)."""
-        with self._lock:
-            self._held.pop(id(lease), None)
-
-    @property
-    def held(self) -> int:
-        with self._lock:
-            return len(self._held)
-
-    def renew(self) -> None:
-        """Move every held lease's score to now; mark those another delivery took."""
-        with self._lock:
-            leases = list(self._held.values())
-        if not leases:
-            return
-        lua_keys = [keys.KOMBU_UNACKED_INDEX]
-        args: list[str | int | float] = [time.time(), defaults.CHUNK_STATE_TTL_S]
-        for lease in leases:
-            lua_keys += [lease.attempts_key, lease.writes_key, lease.generated_key]
-            args += [lease.tag or "", lease.attempt]
-        for position in self._renew(keys=lua_keys, args=args):
-            lost = leases[int(position) - 1]
-            if lost.ending:
-                continue
-            lost.mark_lost("its delivery was restored or redelivered while this worker was away")
-            self.release(lost)
-
-    # --- the messages held, as popped -------------------------------------------------
-
-    def popped(self, tag: str, source: bytes, raw: bytes) -> None:
-        """kombu delivered the message `raw`, popped from the list `source` (screen.py)."""
-        with self._lock:
-            self._popped[tag] = (source, raw)
-
-    def forget_popped(self, tag: str | None) -> None:
-        """The delivery is acknowledged or rejected: nothing of it to put back."""
-        with self._lock:
-            self._popped.pop(tag or "", None)
-
-    def popped_message(self, tag: str | None) -> tuple[bytes, bytes] | None:
-        with self._lock:
-            return self._popped.get(tag or "")
-
-    # --- what Celery must leave alone --------------------------------------------------
-
-    def mark_settled(self, tag: str | None) -> None:
-        with self._lock:
-            self._settled[tag] += 1
-
-    def take_settled(self, tag: str | None) -> bool:
-        """Whether regen settled this delivery itself (then Celery must not ack or
-        reject it in Redis); asked once per delivery."""
-        with self._lock:
-            if self._settled[tag] <= 0:
-                return False
-            self._settled[tag] -= 1
-            if not self._settled[tag]:
-                del self._settled[tag]
-            return True
+        pipe.lset(self.attempts_key, self.attempt, attempt_entry(worker, status, error))  # type: ignore[arg-type]

@@ -13,14 +13,17 @@ Delivery protocol).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import redis
 
 from regen.common import crashpoints, keys
 from regen.common.chunk import Chunk
 from regen.common.results import GeneratedResult
-from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.lease import Checkpoint, ChunkLease, HandOff
+from regen.consumers.generate.chunk_life.lease import Checkpoint, ChunkLease, HandOff
+
+if TYPE_CHECKING:  # context.py holds a LeaseBook: imported at run time, a cycle
+    from regen.consumers.generate.context import ChunkContext
 
 # Crash points (common/crashpoints.py): a hand-off written, its chunk not acknowledged.
 AFTER_HAND_OFF = "generate.after_hand_off"
@@ -52,7 +55,7 @@ def hand_off(
     return fresh
 
 
-def dead_letter(
+def write_dead_letters(
     ctx: ChunkContext,
     lease: ChunkLease,
     fill: Callable[[redis.client.Pipeline], int],
