@@ -38,7 +38,7 @@ from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.chunk_life import LeaseBook, mark_generated
-from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import ShardInfo, shard_name
 from regen.producer.publish import ChunkPublisher
 from tests.redis_server import running_redis

@@ -1,6 +1,6 @@
 """The read side of a job's exactly-once index: which ids a shard holds (or claims).
 
-The tokenize stage's commit ledger (consumers/tokenize/commit.py) writes the index; the
+The tokenize stage's commit ledger (consumers/tokenize/commit_ledger.py) writes the index; the
 producer reads it to skip prompts already settled (after `regen recover`) without
 reaching into a consumer (docs/design.md, Exactly-once commits).
 """

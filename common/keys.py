@@ -72,7 +72,8 @@ def job_provenance(job: str) -> str:
 
 
 def job_refusals(job: str) -> str:
-    """Hash: worker -> why it refuses the job (its tokenizer differs: common/refusals.py)."""
+    """Hash: worker -> why it refuses the job (its tokenizer differs:
+    common/tokenizer_refusals.py)."""
     return _job(job, "refusals")
 
 
@@ -145,7 +146,7 @@ def results_stream(job: str) -> str:
 def committed(job: str, bucket: int) -> str:
     """Hash: one bucket of the exactly-once index, stored id -> shard that holds its
     record, or that claims it while the shard is pending (common/id_buckets.py; the
-    shard as its number when it has a regular name, consumers/tokenize/commit.py)."""
+    shard as its number when it has a regular name, consumers/tokenize/commit_ledger.py)."""
     return _job(job, f"committed:{bucket}")
 
 

@@ -8,9 +8,9 @@ continues where it stopped. A cursor found behind where this producer moved it (
 restored from an older copy while it ran) sends it back to read the file again from
 the cursor Redis has: the chunks the copy lost are published again.
 
-Before a chunk is published its prompts are sifted (known.py: those already in the
+Before a chunk is published its prompts are sifted (prompts_to_queue.py: those already in the
 job, or settled, are not queued again), rendered with the chat template or refused to
-the input DLQ (render.py, refusals.py), and grouped by sample.
+the input DLQ (render.py, input_refusals.py), and grouped by sample.
 
 With `--turns all` a row becomes a conversation (producer/conversations.py): its first
 turn is rendered and checked, and every turn's id enters the job with its chunk. A
@@ -39,13 +39,13 @@ from regen.common.queues import waiting_chunks
 from regen.common.samples import SEED_PARAM, sample_seed
 from regen.producer.conversations import job_prompt
 from regen.producer.enqueue_stats import EnqueueStats
+from regen.producer.input_refusals import Refusals
 from regen.producer.job_ids import JobIds
-from regen.producer.known import KnownPrompts
 from regen.producer.lost_turns import LostTurns
-from regen.producer.pending import Pending
+from regen.producer.pending_prompt import Pending
+from regen.producer.prompts_to_queue import KnownPrompts
 from regen.producer.publish import ChunkPublisher, CursorBehind
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
-from regen.producer.refusals import Refusals
 from regen.producer.render import PromptRenderer
 from regen.producer.rows import BadRow
 from regen.producer.spec import PreparedJob

@@ -9,8 +9,8 @@ from typing import Any
 
 from regen.common import chat_family
 from regen.common.chunk import ChunkPrompt
-from regen.producer.pending import Pending
-from regen.producer.refusals import RAW_SNIPPET_CHARS, Refusals
+from regen.producer.input_refusals import RAW_SNIPPET_CHARS, Refusals
+from regen.producer.pending_prompt import Pending
 from regen.producer.rows import Reason
 from regen.producer.spec import PreparedJob
 

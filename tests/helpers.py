@@ -135,7 +135,7 @@ def job_ids(r: redis.Redis, job: str) -> set[str]:
 
 def committed_count(r: redis.Redis, job: str) -> int:
     """Ids in the job's committed index (claimed or committed), as status counts them."""
-    from regen.consumers.tokenize.commit import CommitLedger
+    from regen.consumers.tokenize.commit_ledger import CommitLedger
 
     return CommitLedger(r, job).count()[0]
 

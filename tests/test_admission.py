@@ -10,7 +10,7 @@ import pytest
 
 from regen.common import defaults
 from regen.common.backoff import Backoff
-from regen.consumers.generate.engines.admission import (
+from regen.consumers.generate.engines.admission_policy import (
     AdmissionController,
     AdmissionPolicy,
     MetricsUnavailable,

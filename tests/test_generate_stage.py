@@ -212,7 +212,7 @@ def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     # More prompts than it may hold (4 slots and a slack of 2 take ~2 chunks of 4), so
-    # most are still on the queue when it stops (flow.py).
+    # most are still on the queue when it stops (flow_control.py).
     prompts = [f"Tell me fact number {i} about the sun." for i in range(40)]
     spec = enqueue_prompts(redis_url, tmp_path, prompts, chunk_size=4)
     with run_standin(decode_tokens_per_s=40) as server:

@@ -17,7 +17,7 @@ from regen.common import id_buckets, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.jobspec import JobSpec, JobSpecError
-from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import OpenShard, append_manifest, shard_name
 from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile

@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, PromptRejected
+from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
 from regen.consumers.generate.metrics import GenerateCollector
-from regen.consumers.generate.runner import EngineRunner
 from regen.status_view import _servers
 from tests.sglang_standin.completer import Completer, load_tokenizer
 from tests.sglang_standin.config import LengthDist

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from regen.cli_status import verify
 from regen.common import dlq, keys
 from regen.consumers.generate.engine import PromptRejected
-from regen.consumers.generate.engines.admission import AdmissionPolicy, parse_metrics
+from regen.consumers.generate.engines.admission_policy import AdmissionPolicy, parse_metrics
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_replies import Failure, classify_error
 from regen.consumers.generate.engines.sglang_router import (

@@ -17,7 +17,7 @@ from regen.common.backoff import Backoff
 from regen.common.chat_family import detect_family, render_prompt_ids
 from regen.common.record import build_record
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
-from regen.consumers.generate.engines.admission import (
+from regen.consumers.generate.engines.admission_policy import (
     AdmissionController,
     AdmissionPolicy,
     ServerLoad,

@@ -29,7 +29,7 @@ from regen.cli_status import status, verify
 from regen.common import dlq, jobspec, keys
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.commit import CommitLedger, Sample
+from regen.consumers.tokenize.commit_ledger import CommitLedger, Sample
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.status_snapshot import window_rates
 from regen.producer.job_ids import JobIds

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from regen.common import dlq, jobspec, keys, provenance
 from regen.consumers.tokenize import job_writer
-from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
@@ -348,16 +348,16 @@ def test_a_worker_whose_template_differs_refuses_the_job_and_status_says_so(
     name the worker and why."""
     import dataclasses
 
-    from regen.common import refusals
+    from regen.common import tokenizer_refusals
     from regen.ops.reconcile import reconcile
 
     prepared = prepare_job(JobOptions(job="t", model="smollm2", max_new_tokens=64))
     other = jobspec.save(r, dataclasses.replace(prepared.spec, tokenizer_fingerprint="0" * 16))
     push(r, [make_result(smollm2_tokenizer, other, 1)])
     with InProcess(r, options(out), "c1") as running:
-        wait_for(lambda: refusals.read(r, "t"), what="the refusal recorded")
+        wait_for(lambda: tokenizer_refusals.read(r, "t"), what="the refusal recorded")
         name = running.consumer.name
-    (why,) = refusals.read(r, "t").values()
+    (why,) = tokenizer_refusals.read(r, "t").values()
     assert "differs from the job's" in why and "0" * 16 in why
     expected = f"worker {name} refuses this job: {why}"
     live = [{"name": name, "stale": False, "kind": "tokenize", "jobs": {}}]

@@ -26,7 +26,7 @@ from regen.consumers.generate.chunk_life import LeaseLost
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
-from regen.consumers.generate.runner import EngineRunner
+from regen.consumers.generate.engine_loop import EngineRunner
 from tests.generate_harness import results
 from tests.helpers import queued_chunks, write_jsonl
 from tests.redis_server import RedisServer

@@ -23,7 +23,7 @@ from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import load_job_chat
 from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn, resume
-from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import ShardInfo
 from regen.ops.accounting import count_places
 from regen.producer.conversations import split_turns

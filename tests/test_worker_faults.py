@@ -21,8 +21,8 @@ import redis
 from kombu import Connection, Queue
 
 from regen.common import dlq
+from regen.consumers.generate.kombu_screen import screening_transport
 from regen.consumers.generate.poison import PoisonFilter
-from regen.consumers.generate.screen import screening_transport
 from tests.generate_harness import (
     Worker,
     all_generated,

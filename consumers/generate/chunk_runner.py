@@ -40,9 +40,9 @@ from regen.consumers.generate.chunk_life import (
 )
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+from regen.consumers.generate.engine_loop import Outcome
 from regen.consumers.generate.prompt_outcomes import dead_letter, generated_result
 from regen.consumers.generate.reasons import Reason
-from regen.consumers.generate.runner import Outcome
 from regen.consumers.generate.turn_state import dead_letter_conversation
 from regen.consumers.generate.turns import run_conversations
 

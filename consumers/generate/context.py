@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import redis
 
-from regen.common import defaults, jobspec, refusals
+from regen.common import defaults, jobspec, tokenizer_refusals
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
 from regen.consumers.generate.chunk_life import LeaseBook
+from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
-from regen.consumers.generate.runner import EngineRunner
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ChunkContext:
     tokens: RateMeter = field(default_factory=RateMeter)
     prompts: RateMeter = field(default_factory=RateMeter)
     # Prompts submitted to the engine and not finished; chunks being worked on; the
-    # limit on chunks held that flow control sets (see flow.py).
+    # limit on chunks held that flow control sets (see flow_control.py).
     inflight: int = 0
     chunks_held: int = 0
     chunk_limit: int = 0
@@ -63,6 +63,6 @@ class ChunkContext:
                 try:
                     self._chats[job] = load_job_chat(self.spec(job))
                 except TokenizerMismatch as exc:
-                    refusals.record(self.redis, job, self.worker, str(exc))
+                    tokenizer_refusals.record(self.redis, job, self.worker, str(exc))
                     raise
             return self._chats[job]

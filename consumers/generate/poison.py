@@ -6,7 +6,7 @@ it: a message that is not JSON, or not a kombu envelope, raises there and stops 
 worker, and the message, already popped, is gone. Celery drops more shapes on its own
 way (an unknown task, a body it cannot decode, a bad ETA: logged, then acked or
 rejected). So every message is inspected here as raw bytes, against the queue it came
-from, before kombu decodes it (`screen.py` wires this in); one that fails is moved to the
+from, before kombu decodes it (`kombu_screen.py` wires this in); one that fails is moved to the
 generate DLQ of the job its queue serves, with a reason, and never delivered.
 
 Not to be confused with a poison *chunk* (`poison_chunk`, chunk_runner.py): a valid

@@ -19,14 +19,14 @@ from celery import Celery, bootsteps, signals
 from regen.common import connection, defaults, gc_tuning, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.heartbeat import Heartbeat, worker_name
-from regen.consumers.generate import screen
+from regen.consumers.generate import kombu_screen
 from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
 from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
-from regen.consumers.generate.flow import make_flow_control
+from regen.consumers.generate.flow_control import make_flow_control
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.poison import PoisonFilter
-from regen.consumers.generate.runner import EngineRunner
 from regen.consumers.generate.tasks import register
 
 log = logging.getLogger("regen.generate")
@@ -176,7 +176,7 @@ def run_worker(options: WorkerOptions) -> None:
     initial_chunks = min(concurrency, 2)
 
     app: Celery = make_app(url)
-    screen.install(app, PoisonFilter(r, name), ctx.leases)
+    kombu_screen.install(app, PoisonFilter(r, name), ctx.leases)
     # A lost connection leaves held chunks held (their leases decide): chunk_life.
     app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)

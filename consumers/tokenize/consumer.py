@@ -20,16 +20,16 @@ from typing import Any, cast
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys, refusals, settings
+from regen.common import defaults, jobspec, keys, settings, tokenizer_refusals
 from regen.common.backoff import REDIS_RETRY
 from regen.common.chat_family import detect_family
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.heartbeat import last_seen
 from regen.common.record import RecordContext
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
-from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.disk_truth import RedisBehind, ensure_current, manifest_epoch
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
+from regen.consumers.tokenize.ledger_vs_disk import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.self_recovery import recover_behind
 from regen.consumers.tokenize.shard_files import check_writable
 from regen.consumers.tokenize.takeover import (
@@ -150,7 +150,7 @@ class TokenizeConsumer:
         except TokenizerMismatch as exc:
             # Records would be checked against a different tokenizer than the prompts.
             log.error("job %s: %s; skipping it", job, exc)
-            refusals.record(self._r, job, self.name, str(exc))
+            tokenizer_refusals.record(self._r, job, self.name, str(exc))
             self._refused.add(job)
             return None
         context = RecordContext(

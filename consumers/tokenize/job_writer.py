@@ -10,7 +10,7 @@ stage (entries.py; docs/design.md, Tokenize).
 
 The disk is the truth for committed shards: a writer checks that Redis knows every
 shard of its folder when it opens the job and before each commit, never takes a shard
-name already on disk, and raises RedisBehind (disk_truth.py) instead of writing on.
+name already on disk, and raises RedisBehind (ledger_vs_disk.py) instead of writing on.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from regen.common.connection import OUTAGE_ERRORS
 from regen.common.id_buckets import BucketedIds
 from regen.common.record import CheckFailed, Reason, RecordContext, build_record
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.commit import LEASE_MARGIN_S, CommitLedger, PendingShard
-from regen.consumers.tokenize.disk_truth import (
+from regen.consumers.tokenize.commit_ledger import LEASE_MARGIN_S, CommitLedger, PendingShard
+from regen.consumers.tokenize.entries import Unreadable, read_entry
+from regen.consumers.tokenize.ledger_vs_disk import (
     RedisBehind,
     behind_error,
     ensure_current,
     manifest_epoch,
 )
-from regen.consumers.tokenize.entries import Unreadable, read_entry
 from regen.consumers.tokenize.shard_files import (
     OpenShard,
     ShardExists,
@@ -291,7 +291,7 @@ class JobWriter:
         self._epoch = ensure_current(self._ledger, self.job, self.folder, self._epoch)
 
     def commit(self) -> None:
-        """Close the open shard and commit it (see commit.py for the protocol)."""
+        """Close the open shard and commit it (see commit_ledger.py for the protocol)."""
         shard, self._shard = self._shard, None
         entries, self._entries = self._entries, {}
         if shard is None:

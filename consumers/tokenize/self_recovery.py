@@ -3,7 +3,7 @@ ledger itself (regen/ops/recover.py), once, under a lock, and then writes on.
 
 The rebuild needs the shard folder, and the tokenize worker is where the folder is.
 Several workers may find the same rollback at once (each checks at its job refresh and
-before each commit: disk_truth.py), so the first takes a lock in Redis (SET NX with an
+before each commit: ledger_vs_disk.py), so the first takes a lock in Redis (SET NX with an
 expiry, renewed while the recovery runs) and the others leave the job alone until it is
 done; a worker killed mid-recovery lets the lock expire, and the next worker to find
 Redis behind runs it again (recovery is safe to rerun). Under the lock the folder is
@@ -23,8 +23,8 @@ from pathlib import Path
 import redis
 
 from regen.common import defaults, jobspec, keys
-from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.disk_truth import check, manifest_epoch
+from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.ledger_vs_disk import check, manifest_epoch
 from regen.ops.recover import Recovery, recover
 
 log = logging.getLogger("regen.tokenize")

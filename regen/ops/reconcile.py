@@ -34,10 +34,10 @@ from typing import Any
 
 import redis
 
-from regen.common import keys, provenance, refusals
+from regen.common import keys, provenance, tokenizer_refusals
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.disk_truth import behind_message
+from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.ledger_vs_disk import behind_message
 from regen.ops import accounting, locate
 from regen.ops.accounting import text
 from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder
@@ -224,7 +224,7 @@ def reconcile(
     mixed = provenance.mixed_versions(ledger.totals().server_versions)
     if mixed:
         report.warnings.append(mixed)
-    report.warnings += refusals.warnings(r, job)
+    report.warnings += tokenizer_refusals.warnings(r, job)
     w, enqueued = _place_enqueued(r, ledger, spec, report)
     report.places.setdefault("missing", 0)  # shown even when none
     for pid in w.everywhere - enqueued:

@@ -17,8 +17,8 @@ import orjson
 import redis
 
 from regen.common import keys
-from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.disk_truth import behind_message
+from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.ledger_vs_disk import behind_message
 from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_ids, shard_paths
 
 BATCH = 1000

@@ -1,6 +1,6 @@
 """`regen recover`: rebuild a job's commit ledger in Redis from its shard folder.
 
-The disk is the truth for committed shards (consumers/tokenize/disk_truth.py). After
+The disk is the truth for committed shards (consumers/tokenize/ledger_vs_disk.py). After
 Redis came back behind the disk (restored from an older copy, a failover to a lagging
 replica), every shard file is read, one at a time, and recorded through the commit
 ledger as its writer would have: its ids mapped to it in the committed index (ids Redis
@@ -32,8 +32,8 @@ import redis
 
 from regen.common import jobspec, keys
 from regen.common.conversation import split_turn_id, turn_id
-from regen.consumers.tokenize.commit import CommitLedger
-from regen.consumers.tokenize.disk_truth import manifest_epoch
+from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.ledger_vs_disk import manifest_epoch
 from regen.consumers.tokenize.shard_files import (
     READ_ERRORS,
     ShardInfo,

@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys, provenance, refusals, settings
+from regen.common import defaults, jobspec, keys, provenance, settings, tokenizer_refusals
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.commit import CommitLedger, Sample
-from regen.consumers.tokenize.disk_truth import behind_message
+from regen.consumers.tokenize.commit_ledger import CommitLedger, Sample
+from regen.consumers.tokenize.ledger_vs_disk import behind_message
 from regen.ops import accounting
 
 
@@ -106,7 +106,7 @@ def job_status(
     mixed = provenance.mixed_versions(totals.server_versions)
     if mixed:
         flags.append(mixed)
-    flags += refusals.warnings(r, job, {w["name"] for w in live})
+    flags += tokenizer_refusals.warnings(r, job, {w["name"] for w in live})
     if remaining and not r.exists(keys.job_follower(job)):
         flags.append(
             "no `regen enqueue --follow` is following this unfinished job: prompts a failure "

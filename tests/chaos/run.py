@@ -30,7 +30,7 @@ from regen.common.chat_family import render_prompt_ids
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS
 from regen.common.queues import queue_lists
 from regen.common.samples import sample_id
-from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.producer.conversations import job_prompt
 from tests.chaos.cluster import CHUNK_LEASE_S, SHARD_LEASE_S, Redis, SentinelRedis, Workers

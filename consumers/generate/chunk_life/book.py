@@ -88,7 +88,7 @@ class LeaseBook:
     # --- the messages held, as popped -------------------------------------------------
 
     def popped(self, tag: str, source: bytes, raw: bytes) -> None:
-        """kombu delivered the message `raw`, popped from the list `source` (screen.py)."""
+        """kombu delivered the message `raw`, popped from the list `source` (kombu_screen.py)."""
         with self._lock:
             self._popped[tag] = (source, raw)
 

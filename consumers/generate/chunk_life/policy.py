@@ -30,7 +30,7 @@ from regen.consumers.generate.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from regen.consumers.generate.runner import EngineRunner
+from regen.consumers.generate.engine_loop import EngineRunner
 
 log = logging.getLogger("regen.generate")
 

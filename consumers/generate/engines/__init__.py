@@ -14,7 +14,7 @@ from regen.common import defaults, extras
 from regen.consumers.generate.engine import Engine
 
 BUILTIN = ("sglang", "sglang-engine", "local")
-# `--max-inflight auto`: each SGLang server's limit follows its /metrics (admission.py).
+# `--max-inflight auto`: each SGLang server's limit follows its /metrics (admission_policy.py).
 AUTO = "auto"
 
 
@@ -54,7 +54,7 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     if name == "sglang":
         if not options.servers:
             raise ValueError("--engine sglang needs at least one --server URL")
-        from regen.consumers.generate.engines.admission import AdmissionPolicy
+        from regen.consumers.generate.engines.admission_policy import AdmissionPolicy
         from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 
         auto = options.max_inflight in (None, AUTO)

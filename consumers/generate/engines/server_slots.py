@@ -1,5 +1,5 @@
 """How many requests an SGLang server runs at once, as its /metrics show it: what a
-worker's flow control may count on being started soon (flow.py).
+worker's flow control may count on being started soon (flow_control.py).
 
 An in-flight limit (`--max-inflight auto` starts at 256 and sheds only as requests
 drain) can be far above a server's running slots; requests beyond them wait in the

@@ -1,5 +1,5 @@
 """`--max-inflight auto` at work: one task per server reads its /metrics every
-ADMISSION_POLL_S and lets its AdmissionController (admission.py) set the pool's limit.
+ADMISSION_POLL_S and lets its AdmissionController (admission_policy.py) set the pool's limit.
 
 A server without usable metrics (404, not SGLang's names) gets the fixed default, and
 is asked again less often, so a server restarted with `--enable-metrics` is picked up.
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from regen.common import defaults
-from regen.consumers.generate.engines.admission import (
+from regen.consumers.generate.engines.admission_policy import (
     AdmissionController,
     AdmissionPolicy,
     MetricsUnavailable,

@@ -26,7 +26,7 @@ from regen.consumers.generate.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from regen.consumers.generate.engines.admission import (
+from regen.consumers.generate.engines.admission_policy import (
     AdmissionPolicy,
     MetricsUnavailable,
     parse_metrics,
@@ -278,7 +278,7 @@ class SGLangHTTPEngine:
 
     def _session(self) -> aiohttp.ClientSession:
         """The HTTP session, made on first use: aiohttp binds it to the running loop, and
-        the engine is built before its loop runs (consumers/generate/runner.py)."""
+        the engine is built before its loop runs (consumers/generate/engine_loop.py)."""
         if self._http is None:
             connector = aiohttp.TCPConnector(
                 # No connection cap: the pool already bounds requests per server, and a

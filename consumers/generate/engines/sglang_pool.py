@@ -137,7 +137,7 @@ class ServerState:
 
     def startable(self) -> int:
         """Requests it starts soon: its limit, or fewer where /metrics show it runs
-        fewer at once (server_slots.py); what flow control counts on (flow.py)."""
+        fewer at once (server_slots.py); what flow control counts on (flow_control.py)."""
         slots = self.slots.estimate()
         return self.cap if slots is None else min(self.cap, slots)
 
@@ -199,7 +199,7 @@ class ServerPool:
         # Requests waiting for a slot, oldest first. A freed slot wakes one of them; a
         # change of health, overload or limit wakes them all. Waking all on each release
         # would cost O(waiting) per completion: hundreds or thousands while servers are
-        # full, as flow control keeps them (flow.py).
+        # full, as flow control keeps them (flow_control.py).
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         # Affinity key -> the server that served it last, least recently used first.
         self._affinity: OrderedDict[str, ServerState] = OrderedDict()

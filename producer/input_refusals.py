@@ -14,7 +14,7 @@ from regen.common import dlq
 from regen.common.conversation import blocked_letters
 from regen.producer.enqueue_stats import EnqueueStats
 from regen.producer.job_ids import JobIds
-from regen.producer.pending import Pending
+from regen.producer.pending_prompt import Pending
 from regen.producer.readers import RawRow
 from regen.producer.rows import Reason
 

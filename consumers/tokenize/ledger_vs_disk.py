@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from regen.consumers.tokenize.commit import CommitLedger
+from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import read_manifest, shard_paths
 
 # Unknown shards named in a message; the rest are counted.

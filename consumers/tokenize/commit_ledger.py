@@ -330,7 +330,7 @@ class CommitLedger:
         )
         return bool(done)
 
-    # --- the ledger against the disk (consumers/tokenize/disk_truth.py, `regen recover`) --
+    # --- the ledger against the disk (consumers/tokenize/ledger_vs_disk.py, `regen recover`) --
 
     def epoch(self) -> int:
         """The ledger's epoch (keys.job_epoch): 0 before the job's first shard, and in a

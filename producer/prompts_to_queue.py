@@ -13,10 +13,10 @@ from regen.common import dlq
 from regen.common.committed_index import committed_index
 from regen.common.conversation import Conversation
 from regen.producer.enqueue_stats import EnqueueStats
+from regen.producer.input_refusals import Refusals
 from regen.producer.job_ids import JobIds
 from regen.producer.lost_turns import LostTurns, history_lost_letters
-from regen.producer.pending import Pending, turn_ids
-from regen.producer.refusals import Refusals
+from regen.producer.pending_prompt import Pending, turn_ids
 from regen.producer.rows import Reason
 
 

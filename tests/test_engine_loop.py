@@ -1,5 +1,5 @@
 """The engine loop's batches: a chunk's prompts start with one hand-over to the loop, and
-each one's outcome comes back as it ends (consumers/generate/runner.py)."""
+each one's outcome comes back as it ends (consumers/generate/engine_loop.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from regen.consumers.generate.runner import EngineRunner
+from regen.consumers.generate.engine_loop import EngineRunner
 
 
 class _NoEngine:
