@@ -15,7 +15,7 @@ import orjson
 
 from regen.common import extras
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
-from regen.consumers.tokenize.shard_files import READ_ERRORS
+from regen.consumers.tokenize.operator_view import READ_ERRORS
 from regen.options import redis_url_option
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -119,7 +119,7 @@ def _reachable_redis(redis_url: str | None, without: str) -> tuple[Any, str] | N
 def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
     """Problems of the job folders against the ledgers of a reachable Redis."""
     from regen.common import connection, jobspec
-    from regen.consumers.tokenize.commit_ledger import CommitLedger
+    from regen.consumers.tokenize.operator_view import CommitLedger
     from regen.ops.reconcile_shards import compare_folder
     from regen.ops.shards_inspect import Problem, job_folders
 

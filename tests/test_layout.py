@@ -80,3 +80,18 @@ def test_one_redis_retry() -> None:
         if not path.is_symlink() and "REDIS_RETRY = " in path.read_text()
     ]
     assert defining == ["common/backoff.py"]
+
+
+def test_the_operator_tools_see_the_tokenize_stage_through_its_face() -> None:
+    """regen/ops (and the CLI's shard commands, the demo's report) import the tokenize
+    stage from consumers/tokenize/operator_view.py only, never its inner modules."""
+    face = "regen.consumers.tokenize.operator_view"
+    reaching = {}
+    paths = [*sorted((REPO / "regen" / "ops").glob("*.py")), REPO / "regen" / "cli_shards.py",
+             REPO / "regen" / "demo_report.py"]  # fmt: skip
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            if module and module.startswith("regen.consumers.tokenize") and module != face:
+                reaching[path.name] = module
+    assert reaching == {}

@@ -29,7 +29,7 @@ import redis
 from regen.common import keys
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.commit_ledger import COUNT_LUA, CommitLedger
+from regen.consumers.tokenize.operator_view import COUNT_LUA, CommitLedger
 
 # Messages per script call: each call copies this many (possibly MB-sized) messages
 # inside Redis, so keep it small enough that Redis never stalls on one call.

@@ -28,7 +28,7 @@ import orjson
 from regen.common import crashpoints, provenance
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.common.samples import prompt_unit
-from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
+from regen.consumers.tokenize.operator_view import iter_records, read_manifest, shard_paths
 from regen.ops.dataset_card import ExportedStats, write_card
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
 from regen.ops.export_sinks import (

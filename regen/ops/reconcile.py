@@ -36,8 +36,7 @@ import redis
 
 from regen.common import keys, provenance, tokenizer_refusals
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.ledger_vs_disk import behind_message
+from regen.consumers.tokenize.operator_view import CommitLedger, behind_message
 from regen.ops import accounting, locate
 from regen.ops.accounting import text
 from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder

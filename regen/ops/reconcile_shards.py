@@ -17,9 +17,13 @@ import orjson
 import redis
 
 from regen.common import keys
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.ledger_vs_disk import behind_message
-from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_ids, shard_paths
+from regen.consumers.tokenize.operator_view import (
+    READ_ERRORS,
+    CommitLedger,
+    behind_message,
+    iter_ids,
+    shard_paths,
+)
 
 BATCH = 1000
 

@@ -32,14 +32,14 @@ import redis
 
 from regen.common import jobspec, keys
 from regen.common.conversation import split_turn_id, turn_id
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.ledger_vs_disk import manifest_epoch
-from regen.consumers.tokenize.shard_files import (
+from regen.consumers.tokenize.operator_view import (
     READ_ERRORS,
+    CommitLedger,
     ShardInfo,
     append_manifest,
     describe,
     iter_ids,
+    manifest_epoch,
     read_manifest,
     shard_number,
     shard_paths,

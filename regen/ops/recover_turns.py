@@ -42,8 +42,7 @@ from regen.common.conversation import (
 )
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_records
+from regen.consumers.tokenize.operator_view import READ_ERRORS, CommitLedger, iter_records
 from regen.ops.accounting import MESSAGES_PER_CALL, text
 from regen.ops.locate import decode_chunk_message
 from regen.ops.reconcile_shards import batches

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from regen.consumers.tokenize.shard_files import iter_job_ids
+from regen.consumers.tokenize.operator_view import iter_job_ids
 
 # Spilled key bytes per bucket while it is sorted: ~40K keys of ~100 bytes as Python
 # objects, ~15 MB. Past MAX_BUCKETS buckets, buckets grow instead.

@@ -23,7 +23,7 @@ from regen.common.record import (
     RECORD_SCHEMA,
     RECORD_SCHEMAS,
 )
-from regen.consumers.tokenize.shard_files import (
+from regen.consumers.tokenize.operator_view import (
     MANIFEST,
     READ_ERRORS,
     ShardInfo,

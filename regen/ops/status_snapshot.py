@@ -17,8 +17,7 @@ import redis
 
 from regen.common import defaults, jobspec, keys, provenance, settings, tokenizer_refusals
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.commit_ledger import CommitLedger, Sample
-from regen.consumers.tokenize.ledger_vs_disk import behind_message
+from regen.consumers.tokenize.operator_view import CommitLedger, Sample, behind_message
 from regen.ops import accounting
 
 
