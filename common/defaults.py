@@ -173,7 +173,7 @@ HEARTBEAT_INTERVAL_MAX_S = 10.0
 # --- shards ------------------------------------------------------------------------
 # A tokenize consumer's claim on a shard's ids lasts this long before another consumer
 # may resolve it (env REGEN_SHARD_LEASE_S); the owner renames only with half of it left.
-SHARD_CLAIM_LEASE_S = 120.0
+SHARD_CLAIM_S = 120.0
 
 # --- healing (`regen enqueue --follow`, the tokenize stage's own recovery) -----------
 # The follower looks at its job this often (env REGEN_FOLLOW_POLL_S): a pass is one

@@ -38,7 +38,7 @@ class Settings:
     restore_interval_s: float = defaults.UNACKED_RESTORE_INTERVAL_S
     restore_throttle: int = defaults.UNACKED_RESTORE_THROTTLE
     heartbeat_stale_s: float = defaults.HEARTBEAT_STALE_AFTER_S
-    shard_lease_s: float = defaults.SHARD_CLAIM_LEASE_S
+    shard_lease_s: float = defaults.SHARD_CLAIM_S
     # `regen enqueue --follow`: between passes, and the grace before ids in no place are
     # queued again (common.defaults).
     follow_poll_s: float = defaults.FOLLOW_POLL_S

@@ -3,16 +3,16 @@
 Commit protocol for a shard (the file is already durably written under its temp name):
 1. claim: one Lua script maps every id of the shard to it in the job's `committed` index
    (bucketed hashes, common/id_buckets.py; a regular shard name stored as its number)
-   and records the shard as pending with a lease, or, if any id already belongs to
+   and records the shard as pending with its claim's expiry, or, if any id already belongs to
    another shard, claims nothing and names those ids (the caller drops them, rewrites the
    temp file, and claims again);
-2. the owner renames the file into place (only while its lease has a safety margin left,
+2. the owner renames the file into place (only while its claim has a safety margin left,
    and Redis still holds its claim: a Redis restored from an older copy may have lost it);
 3. finalize: one Lua script moves the shard from pending to the job's shard list, acks
    and deletes its stream entries, drops its ids' generate and tokenize dead letters (a
    requeued id that succeeds leaves the DLQ), and adds the shard to the job's committed counters and
    progress samples (what `regen status` reads its rates from).
-A crash between 1 and 3 leaves a pending shard; once its lease expires any consumer of
+A crash between 1 and 3 leaves a pending shard; once its claim expires any consumer of
 the job resolves it from the filesystem alone: a shard in place is finalized, a missing
 one has its claims released so its results, still unacked on the stream, are written
 again. Either way no id is ever in two shards, and none is lost.
@@ -40,10 +40,11 @@ from regen.common.connection import bytes_hash
 from regen.common.quality_flags import FLAGS
 from regen.consumers.tokenize.shard_files import shard_name, shard_number
 
-# A claim is good for LEASE_S; the owner renames only with MARGIN to spare, so a
-# recovery (after expiry) never races a rename.
-LEASE_S = settings.current().shard_lease_s
-LEASE_MARGIN_S = LEASE_S / 2
+# A claim is good for CLAIM_S; the owner renames only with CLAIM_MARGIN_S to spare, so
+# a recovery (after expiry) never races a rename. A claim, not a lease: a chunk's lease
+# is the generate stage's (consumers/generate/chunk_life).
+CLAIM_S = settings.current().shard_lease_s
+CLAIM_MARGIN_S = CLAIM_S / 2
 
 # map_ids(counters, first, n, at, shard): maps the ids whose fields are ARGV[at..],
 # each in its bucket KEYS[first..], to the stored shard, counting the ids new to the index.
@@ -217,6 +218,7 @@ def _shard_of(stored: bytes) -> str:
 class PendingShard:
     shard: str
     owner: str
+    # When the claim expires; the field's name in the pending records Redis holds.
     lease_until: float
     ids: list[str]
 
@@ -284,7 +286,7 @@ class CommitLedger:
 
     def claim(self, shard: str, owner: str, ids: list[str]) -> tuple[list[str], PendingShard]:
         """Claim ids for shard; returns (ids owned by other shards, the pending record)."""
-        record = PendingShard(shard, owner, time.time() + LEASE_S, ids)
+        record = PendingShard(shard, owner, time.time() + CLAIM_S, ids)
         buckets, fields = self._index.keys_and_fields(ids)
         taken = self._claim(
             keys=[keys.pending_shards(self._job), keys.job_counters(self._job), *buckets],

@@ -41,7 +41,7 @@ from regen.consumers.tokenize.takeover import (
 
 log = logging.getLogger("regen.tokenize")
 
-# Pending shards are looked at this often; within a lease, so a dead consumer's claims
+# Pending shards are looked at this often; within a claim's life, so a dead consumer's claims
 # are resolved soon after they expire.
 RECOVER_INTERVAL_S = min(30.0, settings.current().shard_lease_s / 2)
 DISK_POLL_S = 2.0

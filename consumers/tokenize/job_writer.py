@@ -27,7 +27,7 @@ from regen.common.connection import OUTAGE_ERRORS
 from regen.common.id_buckets import BucketedIds
 from regen.common.record import CheckFailed, Reason, RecordContext, build_record
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.commit_ledger import LEASE_MARGIN_S, CommitLedger, PendingShard
+from regen.consumers.tokenize.commit_ledger import CLAIM_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.entries import Unreadable, read_entry
 from regen.consumers.tokenize.ledger_vs_disk import (
     RedisBehind,
@@ -305,7 +305,7 @@ class JobWriter:
             raise
         except OUTAGE_ERRORS:
             # Redis went away mid-commit: drop the temp file if not yet in place. A claim
-            # that landed is resolved by recovery once its lease runs out, from the files
+            # that landed is resolved by recovery once the claim expires, from the files
             # alone; the entries stay unacknowledged and are read again.
             shard.abort()
             self.left_unacked = True
@@ -327,7 +327,7 @@ class JobWriter:
             if not shard.ids:
                 shard.abort()
                 return
-        if claim.lease_until - LEASE_MARGIN_S < time.time():
+        if claim.lease_until - CLAIM_MARGIN_S < time.time():
             # Too slow to rename safely: undo; the entries come back to a consumer.
             self._ledger.release(claim, owner=self.owner)
             shard.abort()
