@@ -134,6 +134,14 @@ OUTAGE_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+def raise_if_refused(exc: Exception) -> None:
+    """Raise `exc`, caught as one of OUTAGE_ERRORS, when it is a refused login: redis-py
+    makes AuthenticationError a ConnectionError, but no wait fixes a wrong password,
+    so a loop that waits out outages must not wait on it."""
+    if isinstance(exc, redis.AuthenticationError):
+        raise exc
+
+
 # client() replies are bytes, but redis-py's stubs type them as bytes | str whatever the
 # client: these tell the type checker what a set or hash reply really holds.
 def bytes_set(reply: Any) -> set[bytes]:

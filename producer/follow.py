@@ -43,7 +43,7 @@ import redis
 
 from regen.common import jobspec, keys, settings
 from regen.common.backoff import REDIS_RETRY
-from regen.common.connection import OUTAGE_ERRORS
+from regen.common.connection import OUTAGE_ERRORS, raise_if_refused
 from regen.ops.accounting import count_places, text
 from regen.ops.reconcile import missing_ids
 from regen.ops.recover import forget_missing
@@ -107,6 +107,7 @@ class Follower:
                 failures = 0
                 self.sleep(self.poll_s)
             except OUTAGE_ERRORS as exc:
+                raise_if_refused(exc)
                 delay = REDIS_RETRY.delay(failures)
                 failures += 1
                 log.warning("Redis unreachable (%s); following again in %.1f s", exc, delay)

@@ -15,10 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import redis
-
 from regen.common.backoff import REDIS_RETRY
-from regen.common.connection import OUTAGE_ERRORS
+from regen.common.connection import OUTAGE_ERRORS, raise_if_refused
 from regen.producer.enqueue import Enqueuer
 from regen.producer.enqueue_stats import EnqueueStats
 
@@ -45,9 +43,8 @@ def run_through_outages(
             enqueuer = make()  # its Celery producer connects: inside the outage's reach
             stats = enqueuer.run(datasets, limit=limit)
             break
-        except redis.AuthenticationError:
-            raise  # a ConnectionError to redis-py, but no outage: waiting will not fix it
         except OUTAGE_ERRORS as exc:
+            raise_if_refused(exc)
             if enqueuer is not None:
                 runs.append(enqueuer.stats)
                 if enqueuer.stats.rows_read:
@@ -72,9 +69,8 @@ def wait_out_outages(
     while True:
         try:
             return call()
-        except redis.AuthenticationError:
-            raise  # a ConnectionError to redis-py, but no outage: waiting will not fix it
         except OUTAGE_ERRORS as exc:
+            raise_if_refused(exc)
             delay = REDIS_RETRY.delay(failures)
             failures += 1
             log.warning("Redis unreachable (%s) while %s; trying again in %.1f s",
