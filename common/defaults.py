@@ -84,6 +84,10 @@ MAX_CHUNKS_HELD = 64
 MAX_CHUNK_ATTEMPTS = 3
 # Results a generate worker hands off in one script (one Redis round trip), at most.
 HAND_OFF_BATCH = 64
+# The prompts of a chunk a generate worker cannot start soon go back to the queue in
+# chunks of at most this many (chunk_life/unstarted.py): small enough that a worker
+# with a few free slots takes one whole, large enough to keep messages few.
+GIVEN_BACK_CHUNK_SIZE = 8
 
 # --- the generate worker -----------------------------------------------------------
 # Engine of `regen worker generate`: SGLang servers over HTTP.

@@ -2,10 +2,10 @@
 
 A producer killed at any instant must neither lose a prompt (ids recorded, chunk never
 queued) nor queue a chunk twice (queued, ids not recorded, so a rerun queues it again).
-Celery publishes outside any transaction, so regen lets Celery and kombu build the exact
-message they would send (headers, properties, priority list key) and captures the Redis
-command instead of running it; a Lua script then checks the ids, pushes the message,
-records the ids and advances the resume cursors, all or nothing. The script first
+Celery publishes outside any transaction, so regen builds the exact message Celery and
+kombu would send without sending it (common/chunk_message.py); a Lua script then
+checks the ids, pushes the message, records the ids and advances the resume cursors,
+all or nothing. The script first
 checks that each cursor is not behind where this producer last moved it: a cursor
 behind means Redis was restored from an older copy, which lost the chunks published
 since, and the producer reads the file again from the cursor Redis has (CursorBehind;
@@ -23,7 +23,7 @@ import redis
 from celery import Celery
 
 from regen.common import keys
-from regen.common.celery_app import GENERATE_TASK
+from regen.common.chunk_message import ChunkMessages
 from regen.common.jobspec import JobSpec
 from regen.producer.job_ids import ADD_IDS_LUA, JobIds
 
@@ -104,31 +104,6 @@ return {}
 """
 
 
-class _CapturedPublish:
-    """Takes the place of kombu's Redis publish batch and keeps its commands."""
-
-    def __init__(self, channel: Any) -> None:
-        self.channel = channel
-        self.commands: list[tuple[str, tuple[Any, ...]]] = []
-
-    def publish(self, message: Any, **kwargs: Any) -> Any:
-        # kombu's own PublishBatch routes through basic_publish the same way, so the
-        # message gets exactly the delivery tag, body encoding and queue key of a send.
-        return self.channel.basic_publish(message, _publish_batch=self, **kwargs)
-
-    def add(self, name: str, *args: Any) -> None:
-        self.commands.append((name, args))
-
-    def flush(self) -> None:
-        """Nothing to send: the caller runs the commands in its own transaction."""
-
-    def discard(self) -> None:
-        self.commands.clear()
-
-    def close(self) -> None:
-        """Nothing held."""
-
-
 class CursorBehind(Exception):
     """A resume cursor is behind where this producer moved it: Redis was restored from
     an older copy. `value` is the cursor Redis has, where reading resumes."""
@@ -150,7 +125,6 @@ class ChunkPublisher:
     """Publishes chunks of one job onto its generate queue."""
 
     def __init__(self, app: Celery, r: redis.Redis, spec: JobSpec) -> None:
-        self._app = app
         self._r = r
         self._job = spec.name
         self._queue = spec.queue
@@ -158,35 +132,7 @@ class ChunkPublisher:
         self._script = r.register_script(_PUBLISH_LUA)
         self._move_cursor = r.register_script(_MOVE_CURSOR_LUA)
         self._requeue_script = r.register_script(_REQUEUE_LUA)
-        self._connection = app.connection_for_write()
-        self._producer = app.amqp.Producer(self._connection)
-        self._capture: _CapturedPublish | None = None
-        channel = self._producer.channel
-        channel.create_publish_batch = self._new_capture
-
-    def _new_capture(self, max_size: int) -> _CapturedPublish:
-        self._capture = _CapturedPublish(self._producer.channel)
-        return self._capture
-
-    def _render(
-        self, chunk_id: str, payload: dict[str, Any]
-    ) -> tuple[list[tuple[str, bytes]], list[tuple[str, tuple[Any, ...]]]]:
-        """The LPUSHes of the task message, and any other commands (Celery's task-sent
-        event, a fanout PUBLISH) to run once the chunk is in."""
-        with self._producer.batch():
-            self._app.send_task(
-                GENERATE_TASK,
-                args=[payload],
-                task_id=chunk_id,
-                queue=self._queue,
-                producer=self._producer,
-            )
-        assert self._capture is not None
-        commands, self._capture = self._capture.commands, None
-        pushes = [(args[0], args[1]) for name, args in commands if name == "lpush"]
-        if not pushes:
-            raise RuntimeError(f"kombu produced no LPUSH for a chunk publish: {commands}")
-        return pushes, [(name, args) for name, args in commands if name != "lpush"]
+        self._messages = ChunkMessages(app)
 
     def publish(
         self,
@@ -198,7 +144,8 @@ class ChunkPublisher:
     ) -> PublishOutcome:
         """Publish the chunk with its ids and move `cursors`; raises CursorBehind when
         one of them is behind its value in `behind` (nothing written)."""
-        pushes, after = self._render(chunk_id, payload)
+        rendered = self._messages.render(chunk_id, payload, self._queue)
+        pushes, after = rendered.pushes, rendered.after
         job = self._job
         buckets, fields = self._ids.keys_and_fields(prompt_ids)
         lua_keys = [keys.job_chunks(job), keys.job_cursors(job), keys.job_counters(job)]
@@ -234,7 +181,8 @@ class ChunkPublisher:
         """Publish a chunk of dead-lettered prompts and remove their entries from
         `dlq_key`, together. Returns [] when done, else the ids no longer dead-lettered
         (nothing was published)."""
-        pushes, after = self._render(chunk_id, payload)
+        rendered = self._messages.render(chunk_id, payload, self._queue)
+        pushes, after = rendered.pushes, rendered.after
         job = self._job
         lua_keys = [dlq_key, keys.job_chunks(job), keys.job_counters(job)]
         lua_keys += [key for key, _ in pushes]
@@ -247,4 +195,4 @@ class ChunkPublisher:
         return gone
 
     def close(self) -> None:
-        self._connection.release()
+        self._messages.close()

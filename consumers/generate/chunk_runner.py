@@ -34,6 +34,7 @@ from regen.consumers.generate.chunk_life import (
     LeaseLost,
     attempts_spent,
     generate_with_retry,
+    give_back_unstarted,
     hand_off,
     read_generated,
     write_dead_letters,
@@ -169,6 +170,7 @@ def _run_chunk(
         if any(p.conversation is not None for p in todo):
             generated, dead_lettered = run_conversations(ctx, lease, chunk, todo, done)
         else:
+            todo = _hold_startable(ctx, lease, chunk, todo)
             generated, dead_lettered = _generate_all(ctx, lease, chunk, todo)
     except LeaseLost:
         raise  # nothing to record: the chunk is another's
@@ -185,13 +187,39 @@ def _run_chunk(
     return ChunkOutcome(generated, len(done), dead_lettered)
 
 
+def _hold_startable(
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt]
+) -> list[ChunkPrompt]:
+    """The prompts this delivery runs, counted in flight: those its worker can start
+    soon; the rest go back to the queue in new chunks (chunk_life.give_back_unstarted)."""
+    held = ctx.reserve(len(todo))
+    if held == len(todo):
+        return todo
+    assert ctx.messages is not None  # reserve holds fewer only with a renderer
+    try:
+        given = give_back_unstarted(
+            ctx.redis, ctx.messages, ctx.spec(chunk.job).queue, lease, chunk, todo[held:]
+        )
+    except BaseException:
+        ctx.count_inflight(-held)
+        raise
+    log.info(
+        "chunk %s: runs %d prompts, gives %d back in %d chunks (more than it can start soon)",
+        chunk.chunk_id,
+        held,
+        len(todo) - held,
+        given,
+    )
+    return todo[:held]
+
+
 def _generate_all(
     ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt]
 ) -> tuple[int, int]:
-    """Generate every prompt at once; (handed off, dead-lettered)."""
-    spec = ctx.spec(chunk.job)
+    """Generate every prompt at once (already counted in flight); (handed off,
+    dead-lettered)."""
     # A requeued chunk may override some params (`regen dlq requeue --set`).
-    sampling = {**spec.sampling, **chunk.sampling}
+    sampling = {**ctx.spec(chunk.job).sampling, **chunk.sampling}
     requests = [
         GenerateRequest(
             rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
@@ -200,10 +228,13 @@ def _generate_all(
         )
         for prompt in todo
     ]
-    batch = ctx.runner.start_batch(
-        [generate_with_retry(ctx.runner, request) for request in requests]
-    )
-    ctx.count_inflight(len(todo))
+    try:
+        batch = ctx.runner.start_batch(
+            [generate_with_retry(ctx.runner, request) for request in requests]
+        )
+    except BaseException:
+        ctx.count_inflight(-len(todo))
+        raise
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
     generated = rejected = 0
     left = len(todo)

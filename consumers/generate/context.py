@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 
 from regen.common import defaults, jobspec, tokenizer_refusals
+from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
 from regen.consumers.generate.chunk_life import LeaseBook
@@ -32,6 +34,12 @@ class ChunkContext:
     inflight: int = 0
     chunks_held: int = 0
     chunk_limit: int = 0
+    # How many more prompts the worker can start soon, given its outstanding ones
+    # (flow_control.startable_soon over its engine), and how it renders the chunks it
+    # gives the others back in (chunk_life, unstarted.py). Set by the worker; without
+    # them a delivery holds all its prompts.
+    room: Callable[[int], int] | None = None
+    messages: ChunkMessages | None = None
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -45,6 +53,16 @@ class ChunkContext:
     def count_inflight(self, delta: int) -> None:
         with self._lock:
             self.inflight += delta
+
+    def reserve(self, wanted: int) -> int:
+        """Count up to `wanted` prompts in flight: as many as the worker can start soon
+        (`room`), and at least one, so every delivery makes progress; how many."""
+        with self._lock:
+            held = wanted
+            if self.room is not None and self.messages is not None:
+                held = min(wanted, max(1, self.room(self.inflight)))
+            self.inflight += held
+            return held
 
     def count_chunks(self, delta: int) -> None:
         with self._lock:

@@ -37,12 +37,24 @@ REFILL_S = 2.0
 MIN_SLACK = 2
 # And at most this many times the capacity, however fast they free.
 MAX_SLACK_RATIO = 2.0
+# A delivery holds the prompts its worker starts within this long (free slots, and
+# those its slots free meanwhile); the rest go back to the queue (chunk_life,
+# unstarted.py). Longer than REFILL_S, so a chunk flow control asked for is held whole
+# unless the worker is far over its need.
+START_WITHIN_S = 5.0
 
 
-def slack(capacity: int, prompts_per_s: float) -> int:
-    """Prompts a worker keeps waiting beyond its engine's slots."""
-    wanted = math.ceil(prompts_per_s * REFILL_S)
+def slack(capacity: int, prompts_per_s: float, within_s: float = REFILL_S) -> int:
+    """Prompts a worker keeps waiting beyond its engine's slots: those they free
+    within `within_s`."""
+    wanted = math.ceil(prompts_per_s * within_s)
     return max(MIN_SLACK, min(wanted, int(capacity * MAX_SLACK_RATIO)))
+
+
+def startable_soon(capacity: int, prompts_per_s: float, outstanding: int) -> int:
+    """Prompts a worker with `outstanding` ones can take and start within
+    START_WITHIN_S (may be 0 or less)."""
+    return capacity + slack(capacity, prompts_per_s, START_WITHIN_S) - outstanding
 
 
 def chunk_limit(

@@ -18,13 +18,14 @@ from celery import Celery, bootsteps, signals
 
 from regen.common import connection, defaults, gc_tuning, jobspec, settings
 from regen.common.celery_app import make_app
+from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import kombu_screen
 from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
-from regen.consumers.generate.flow_control import make_flow_control
+from regen.consumers.generate.flow_control import make_flow_control, startable_soon
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.tasks import register
@@ -180,6 +181,11 @@ def run_worker(options: WorkerOptions) -> None:
     # A lost connection leaves held chunks held (their leases decide): chunk_life.
     app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)
+    # A delivery holds what the engine starts soon and gives the rest back (chunk_life).
+    ctx.room = lambda outstanding: startable_soon(
+        engine.capacity(), ctx.prompts.rate(), outstanding
+    )
+    ctx.messages = ChunkMessages(app)
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
     app.steps["consumer"].add(
@@ -237,6 +243,7 @@ def run_worker(options: WorkerOptions) -> None:
         if metrics is not None:
             metrics.close()
         runner.close()
+        ctx.messages.close()
     if exit_code:
         raise SystemExit(exit_code)
 

@@ -1,7 +1,8 @@
 """A generate chunk's life, from its delivery to its acknowledgement, in one place.
 
 A delivery starts (book.py: its attempt recorded, its lease taken and then renewed with
-every heartbeat), checks the attempt cap (policy.py), runs its prompts, waiting on the
+every heartbeat), checks the attempt cap (policy.py), gives back to the queue the
+prompts its worker cannot start soon (unstarted.py), runs the rest, waiting on the
 engine as policy.py says, and settles each prompt under its lease (handoff.py: the result
 handed off or the prompt dead-lettered, with its `generated` mark, state.py). It then
 ends in exactly one way (lease.py): acknowledged (`finish`), given back to the queue
@@ -17,6 +18,7 @@ Modules, each with one job:
 - policy.py: the timers and retry policy (lease length, give-back, engine retries,
   attempt cap, requeue pause);
 - handoff.py: settling a delivery's prompts under its lease;
+- unstarted.py: giving back the prompts a delivery cannot start soon, as new chunks;
 - celery_delivery.py: where leases meet Celery's acknowledgements and kombu's restore.
 
 Code outside this package imports from here, not from its modules.
@@ -33,7 +35,13 @@ from regen.consumers.generate.chunk_life.handoff import (
     hand_off,
     write_dead_letters,
 )
-from regen.consumers.generate.chunk_life.lease import Checkpoint, ChunkLease, HandOff, LeaseLost
+from regen.consumers.generate.chunk_life.lease import (
+    Checkpoint,
+    ChunkLease,
+    HandOff,
+    LeaseLost,
+    QueuedChunk,
+)
 from regen.consumers.generate.chunk_life.policy import (
     GIVE_BACK_AFTER_S,
     REQUEUE_PAUSE_S,
@@ -47,8 +55,10 @@ from regen.consumers.generate.chunk_life.state import (
     mark_generated,
     read_generated,
 )
+from regen.consumers.generate.chunk_life.unstarted import AFTER_GIVE_BACK, give_back_unstarted
 
 __all__ = [
+    "AFTER_GIVE_BACK",
     "AFTER_HAND_OFF",
     "BEFORE_ACK",
     "CHUNK_STATE_TTL_S",
@@ -62,8 +72,10 @@ __all__ = [
     "LeaseBook",
     "LeaseKeepingConsumer",
     "LeaseLost",
+    "QueuedChunk",
     "attempts_spent",
     "generate_with_retry",
+    "give_back_unstarted",
     "hand_off",
     "make_request_class",
     "mark_generated",

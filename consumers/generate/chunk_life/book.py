@@ -17,6 +17,7 @@ from regen.common import keys
 from regen.consumers.generate.chunk_life.lease import ChunkLease
 from regen.consumers.generate.chunk_life.state import (
     CHUNK_STATE_TTL_S,
+    GIVE_BACK_UNSTARTED_LUA,
     HAND_BACK_LUA,
     HAND_OFF_LUA,
     RENEW_LUA,
@@ -41,6 +42,7 @@ class LeaseBook:
         self._start = r.register_script(START_LUA)
         self.hand_off_script = r.register_script(HAND_OFF_LUA)
         self.hand_back_script = r.register_script(HAND_BACK_LUA)
+        self.give_back_unstarted_script = r.register_script(GIVE_BACK_UNSTARTED_LUA)
 
     def start(
         self, job: str, chunk_id: str, tag: str | None, worker: str

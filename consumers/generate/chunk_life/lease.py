@@ -78,6 +78,16 @@ class HandOff(NamedTuple):
     checkpoint: Checkpoint | None = None
 
 
+class QueuedChunk(NamedTuple):
+    """A new chunk for the queue, rendered as kombu would send it: its id, its prompt
+    count, the list it goes on and the message."""
+
+    chunk_id: str
+    size: int
+    queue_list: str
+    message: bytes
+
+
 class ChunkLease:
     """One delivery of one chunk to this worker: its attempt and its kombu delivery tag."""
 
@@ -191,6 +201,33 @@ class ChunkLease:
             raise LeaseLost(LOST_WHY[status])
         self.writes += 1
         return [flag == 1 for flag in flags]
+
+    def give_back_unstarted(
+        self, r: redis.Redis, prompt_ids: Sequence[str], new_chunks: Sequence[QueuedChunk]
+    ) -> None:
+        """Put prompts this delivery has not started back on the queue as `new_chunks`,
+        marking them settled for this chunk, in one script that checks the lease as
+        `write` does (docs/design.md, "Only what can start soon"). Raises LeaseLost when
+        this delivery no longer holds the chunk (nothing written); a Redis outage is
+        waited out as `write` does."""
+        lua_keys = [self.attempts_key, keys.KOMBU_UNACKED_INDEX, self.writes_key,
+                    self.generated_key, keys.job_chunks(self.job)]  # fmt: skip
+        per_chunk: list[str | bytes | int] = []
+        for new in reversed(new_chunks):  # RPUSHed last first: BRPOP takes them in order
+            lua_keys.append(new.queue_list)
+            per_chunk += [new.chunk_id, new.size, new.message]
+
+        def run() -> list[int]:
+            argv = [self.attempt, self.tag or "", self.writes, CHUNK_STATE_TTL_S,
+                    len(prompt_ids), *prompt_ids, *per_chunk]  # fmt: skip
+            script = self._book.give_back_unstarted_script
+            return [int(x) for x in script(keys=lua_keys, args=argv, client=r)]
+
+        status = self._retrying(run)[0]
+        if status:
+            self.mark_lost(LOST_WHY[status])
+            raise LeaseLost(LOST_WHY[status])
+        self.writes += 1
 
     def _retrying(self, write: Callable[[], T]) -> T:
         """Run `write`, waiting out a Redis outage for up to one lease."""

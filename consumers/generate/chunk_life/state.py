@@ -7,10 +7,11 @@ Per chunk of a job (docs/design.md, Redis keys and Delivery protocol):
   "dead_lettered"); a delivery holds the chunk only while its entry is the last;
 - its write count (`keys.chunk_writes`): the writes the delivery holding it made, so a
   Redis restored from an older copy is caught (it cannot fake a count the worker holds);
-- its `generated` set (`keys.chunk_generated`): the prompts settled (handed off or
-  dead-lettered), so a redelivery skips them. Written by the hand-off script below and by
-  `mark_generated`, always in a lease-checked write (lease.py), read by `read_generated`;
-  deleted by the ack script once nothing can redeliver the chunk. Outside a delivery,
+- its `generated` set (`keys.chunk_generated`): the prompts settled (handed off,
+  dead-lettered, or given back to the queue in a new chunk), so a redelivery skips them.
+  Written by the hand-off and give-back scripts below and by `mark_generated`, always
+  in a lease-checked write (lease.py), read by `read_generated`; deleted by the ack
+  script once nothing can redeliver the chunk. Outside a delivery,
   only recovery writes it (common/conversation.py, `regen recover` and the producer
   resuming a conversation Redis lost), before any delivery of the chunk runs.
 
@@ -139,6 +140,36 @@ for i = 6, #ARGV, 5 do
 end
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 return flags
+"""
+
+# KEYS: attempts list, unacked_index, write count, generated set, the job's chunks hash,
+# then the queue list of each new chunk.
+# ARGV: attempt index, delivery tag ('' = none), writes made, state TTL, number of ids,
+# the ids, then per new chunk: its id, its prompt count, its message.
+# The lease check of `ChunkLease.write` (lease.py) and the give-back of prompts this
+# delivery has not started, in one atomic step: the ids are marked settled for this
+# chunk (a redelivery skips them; they are open in the new chunks alone), each new
+# chunk is recorded as the job's and pushed at the consuming end of its list (RPUSH:
+# BRPOP takes it next, before chunks published later). A retry whose first try landed
+# (its ids already marked) writes nothing more. Returns {0} or {status} (LOST_WHY).
+GIVE_BACK_UNSTARTED_LUA = """
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
+if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
+local writes = tonumber(redis.call('GET', KEYS[3]))
+local made = tonumber(ARGV[3])
+if writes ~= made and writes ~= made + 1 then return {3} end
+redis.call('SET', KEYS[3], made + 1, 'EX', ARGV[4])
+local n_ids = tonumber(ARGV[5])
+if redis.call('SISMEMBER', KEYS[4], ARGV[6]) == 1 then return {0} end
+for i = 6, 5 + n_ids do redis.call('SADD', KEYS[4], ARGV[i]) end
+redis.call('EXPIRE', KEYS[4], ARGV[4])
+local k = 6
+for a = 6 + n_ids, #ARGV, 3 do
+  redis.call('HSET', KEYS[5], ARGV[a], ARGV[a + 1])
+  redis.call('RPUSH', KEYS[k], ARGV[a + 2])
+  k = k + 1
+end
+return {0}
 """
 LOST_WHY = {
     1: "a later delivery of the chunk started",

@@ -1,0 +1,220 @@
+"""A delivery gives back the prompts its worker cannot start soon, as new chunks on the
+queue, under its lease (consumers/generate/chunk_life/unstarted.py; docs/design.md,
+"Only what can start soon")."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+from kombu import Connection, Queue
+
+from regen.common import keys
+from regen.common.celery_app import broker, make_app
+from regen.common.chunk import Chunk
+from regen.common.chunk_message import ChunkMessages
+from regen.common.jobspec import JobSpec
+from regen.consumers.generate.chunk_life import (
+    ChunkLease,
+    LeaseBook,
+    LeaseLost,
+    give_back_unstarted,
+    read_generated,
+)
+from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.flow_control import MIN_SLACK, START_WITHIN_S, startable_soon
+from regen.ops.accounting import count_places
+from regen.ops.reconcile import reconcile
+from tests.generate_harness import (
+    Worker,
+    all_generated,
+    attempts,
+    enqueue_prompts,
+    enqueued_ids,
+    result_ids,
+    results,
+)
+from tests.helpers import wait_for
+from tests.redis_server import running_redis
+from tests.sglang_standin.process import run_standin
+
+PROMPTS = [f"Question {i}: name a river of the world." for i in range(20)]
+
+
+def deliver(url: str, spec: JobSpec) -> tuple[Chunk, str]:
+    """Take the job's next chunk off its queue as a generate worker's kombu does: into
+    `unacked`, under a delivery tag. Returns the chunk and the tag."""
+    make_app(url)  # registers regen's chunk serializer with kombu
+    broker_url, options = broker(url)
+    with Connection(broker_url, transport_options=options) as connection:
+        channel = connection.channel()
+        message = Queue(spec.queue, channel=channel).get(no_ack=False)
+        assert message is not None
+        args, _, _ = message.decode()
+        # Left unacked: the channel must not restore it when it closes.
+        channel.do_restore = False
+        return Chunk.from_payload(args[0]), message.delivery_tag
+
+
+def queued_chunks(r: redis.Redis, queue: str) -> list[Chunk]:
+    """The chunks on `queue`, in the order BRPOP takes them."""
+    chunks = []
+    for raw in reversed(r.lrange(queue, 0, -1)):
+        body = orjson.loads(base64.b64decode(orjson.loads(raw)["body"]))
+        chunks.append(Chunk.from_payload(body[0][0]))
+    return chunks
+
+
+def start(r: redis.Redis, chunk: Chunk, tag: str) -> ChunkLease:
+    lease, _ = LeaseBook(r).start(chunk.job, chunk.chunk_id, tag, "test-worker")
+    return lease
+
+
+def test_prompts_given_back_are_open_in_new_chunks_alone(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS, chunk_size=20)
+    chunk, tag = deliver(redis_url, spec)
+    lease = start(r, chunk, tag)
+    messages = ChunkMessages(make_app(redis_url))
+    given = give_back_unstarted(r, messages, spec.queue, lease, chunk, chunk.prompts[8:])
+    # 12 prompts in chunks of at most 8, queued at the end BRPOP takes first.
+    assert given == 2
+    back = queued_chunks(r, spec.queue)
+    assert [len(c.prompts) for c in back] == [8, 4]
+    assert [p.id for c in back for p in c.prompts] == [p.id for p in chunk.prompts[8:]]
+    assert {c.chunk_id for c in back}.isdisjoint({chunk.chunk_id})
+    assert read_generated(r, chunk) == {p.id for p in chunk.prompts[8:]}
+    sizes = r.hgetall(keys.job_chunks(spec.name))
+    assert {k.decode(): int(v) for k, v in sizes.items()} == {
+        chunk.chunk_id: 20,
+        **{c.chunk_id: len(c.prompts) for c in back},
+    }
+    # Every prompt in one place: the 8 kept in flight, the 12 waiting in the new chunks.
+    places = count_places(r, spec)
+    assert (places.generating, places.waiting, places.unplaced) == (8, 12, 0)
+    report = reconcile(r, spec, None, read_shards=False)
+    assert not report.problem_counts, report.problems
+    assert report.places["in_flight"] == 8 and report.places["waiting"] == 12
+
+
+def test_a_retried_give_back_queues_nothing_twice(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """The script landed but its reply was lost: the retry (same write count) finds its
+    prompts settled and writes nothing more."""
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS, chunk_size=20)
+    chunk, tag = deliver(redis_url, spec)
+    lease = start(r, chunk, tag)
+    messages = ChunkMessages(make_app(redis_url))
+    give_back_unstarted(r, messages, spec.queue, lease, chunk, chunk.prompts[10:])
+    lease.writes -= 1  # as if the reply never came
+    give_back_unstarted(r, messages, spec.queue, lease, chunk, chunk.prompts[10:])
+    assert r.llen(spec.queue) == 2
+    assert r.hlen(keys.job_chunks(spec.name)) == 3
+
+
+def test_a_delivery_that_lost_its_chunk_gives_nothing_back(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    spec = enqueue_prompts(redis_url, tmp_path, PROMPTS, chunk_size=20)
+    chunk, tag = deliver(redis_url, spec)
+    lease = start(r, chunk, tag)
+    start(r, chunk, tag)  # a later delivery of the chunk started: this one lost it
+    with pytest.raises(LeaseLost):
+        give_back_unstarted(
+            r, ChunkMessages(make_app(redis_url)), spec.queue, lease, chunk, chunk.prompts[4:]
+        )
+    assert r.llen(spec.queue) == 0
+    assert read_generated(r, chunk) == set()
+    assert r.hlen(keys.job_chunks(spec.name)) == 1
+
+
+def test_a_worker_holds_what_it_can_start_soon_and_at_least_one(r: redis.Redis) -> None:
+    """32 free slots finishing 0.8 prompts/s: a 64-prompt chunk is held for its 32 slots
+    and the few that free within START_WITHIN_S; a second chunk arriving at once gets
+    one prompt (progress), not another 32."""
+    ctx = ChunkContext(redis=r, runner=None)  # type: ignore[arg-type]
+    ctx.room = lambda outstanding: startable_soon(32, 0.8, outstanding)
+    ctx.messages = object()  # type: ignore[assignment]
+    first = ctx.reserve(64)
+    assert first == 32 + max(2, int(0.8 * START_WITHIN_S + 0.999))
+    assert ctx.reserve(64) == 1
+    assert ctx.inflight == first + 1
+    # Without a renderer (an engine run in a test, a tool) a delivery holds it all.
+    plain = ChunkContext(redis=r, runner=None)  # type: ignore[arg-type]
+    assert plain.reserve(64) == 64
+
+
+@pytest.mark.slow
+def test_a_worker_that_started_first_leaves_a_second_server_work(tmp_path: Path) -> None:
+    """Two servers of 4 slots, answers of ~3 s, one chunk of 16 prompts (the product's
+    chunks are larger than many servers' free slots). The first worker takes the chunk
+    before the second starts: it runs what its 4 slots start soon and gives the rest
+    back, and the second worker's server serves them. Before, the first worker held
+    all 16 and the second server idled. Every prompt is generated once."""
+    prompts = [f"Tell me about river number {i}." for i in range(16)]
+    with (
+        running_redis(tmp_path / "redis") as redis_server,
+        run_standin(max_running_requests=4, decode_tokens_per_s=10,
+                    output_len_dist="fixed:n=30") as first_server,
+        run_standin(max_running_requests=4, decode_tokens_per_s=10,
+                    output_len_dist="fixed:n=30") as second_server,
+    ):  # fmt: skip
+        r = redis.Redis.from_url(redis_server.url)
+        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=16)
+        (published,) = [k.decode() for k in r.hkeys(keys.job_chunks("g"))]
+        common = ["--engine", "sglang", "--max-inflight", "4", "--jobs", "g"]
+        with Worker(redis_server.url, tmp_path, *common, "--server", first_server.url) as first:
+            wait_for(lambda: r.hlen(keys.job_chunks("g")) > 1, timeout=120,
+                     what="the first worker to give prompts back")  # fmt: skip
+            # Its 4 slots and the minimum slack (no rate measured yet) kept: 6 run.
+            given_back = r.smembers(keys.chunk_generated("g", published))
+            assert len(given_back) == 16 - 4 - MIN_SLACK
+            assert r.hlen(keys.job_chunks("g")) == 1 + 2  # in chunks of 8 and 2
+            with Worker(redis_server.url, tmp_path, *common, "--server", second_server.url):
+                wait_for(lambda: all_generated(r, spec), timeout=180, what="the job")
+        assert "gives" in first.log()
+        assert second_server.stats()["requests_total"] > 0
+        ids = [res.id for res in results(r, "g")]
+        assert sorted(ids) == sorted(enqueued_ids(r, "g")) == sorted(result_ids(r, "g"))
+        report = reconcile(r, spec, None, read_shards=False)
+        assert report.places["in_flight"] == 16 and not report.problem_counts
+
+
+@pytest.mark.slow
+def test_a_worker_killed_right_after_giving_back_loses_and_repeats_nothing(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL at the worst point: prompts given back, the kept ones not yet started.
+    The chunk comes back when its lease lapses; its next delivery skips what was given
+    back, the new chunks run once, and every prompt is generated exactly once."""
+    prompts = [f"Tell me about lake number {i}." for i in range(16)]
+    with (
+        running_redis(tmp_path / "redis") as redis_server,
+        run_standin(max_running_requests=4, decode_tokens_per_s=50,
+                    output_len_dist="fixed:n=20") as server,
+    ):  # fmt: skip
+        r = redis.Redis.from_url(redis_server.url)
+        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=16)
+        (published,) = [k.decode() for k in r.hkeys(keys.job_chunks("g"))]
+        common = ["--engine", "sglang", "--max-inflight", "4", "--jobs", "g"]
+        common += ["--server", server.url]
+        crashing = Worker(redis_server.url, tmp_path, *common,
+                          env={"REGEN_CRASHPOINT": "generate.after_give_back"})  # fmt: skip
+        crashing.process.wait(timeout=120)
+        crashing.kill()  # its process group
+        assert server.stats()["requests_total"] == 0  # died before starting any
+        assert len(r.smembers(keys.chunk_generated("g", published))) == 16 - 4 - MIN_SLACK
+        with Worker(redis_server.url, tmp_path, *common):
+            wait_for(lambda: all_generated(r, spec), timeout=180, what="the job")
+        history = [a["status"] for a in attempts(r, "g", published)]
+        assert history == ["started", "done"]  # the dead delivery, then the one that ran
+        ids = [res.id for res in results(r, "g")]
+        assert sorted(ids) == sorted(enqueued_ids(r, "g"))
+        assert server.stats()["requests_total"] == 16
+        report = reconcile(r, spec, None, read_shards=False)
+        assert report.places["in_flight"] == 16 and not report.problem_counts
