@@ -11,7 +11,10 @@ finalize) in tiny shards (no files are written: only the Redis side is measured)
 
 Prints used_memory after minus before divided by N, and the bytes of each key family.
 
-    python bench/redis_footprint.py [--prompts 1000000] [--chunk-size 64]
+    python bench/redis_footprint.py [--prompts 1000000] [--chunk-size 64] [--held N]
+
+`--held 34` gives back what a worker with 32 free slots (and its slack) cannot start
+of every 64-prompt chunk, the worst case of "Only what can start soon" (docs/design.md).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from regen.common import id_buckets, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.chunk_message import ChunkMessages
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
-from regen.consumers.generate.chunk_life import LeaseBook, mark_generated
+from regen.consumers.generate.chunk_life import LeaseBook, give_back_unstarted, mark_generated
 from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import ShardInfo, shard_name
 from regen.producer.publish import ChunkPublisher
@@ -107,9 +111,22 @@ def deliver(r: redis.Redis, queue: str) -> tuple[Chunk, str]:
     return Chunk.from_payload(body[0][0]), tag
 
 
-def generate(r: redis.Redis, book: LeaseBook, chunk: Chunk, tag: str) -> None:
-    """Every prompt handed off under the chunk's lease, then the chunk acked."""
+def generate(
+    r: redis.Redis,
+    book: LeaseBook,
+    chunk: Chunk,
+    tag: str,
+    held: int | None,
+    messages: ChunkMessages,
+) -> None:
+    """Every prompt handed off under the chunk's lease, then the chunk acked. With
+    `held`, a delivery of a larger chunk first gives the rest back to the queue, as a
+    worker with that many free slots does (chunk_life/unstarted.py)."""
     lease, _ = book.start(JOB, chunk.chunk_id, tag, WORKER)
+    if held is not None and len(chunk.prompts) > held:
+        queue = keys.generate_queue(JOB)
+        give_back_unstarted(r, messages, queue, lease, chunk, chunk.prompts[held:])
+        chunk = Chunk(chunk.job, chunk.chunk_id, chunk.prompts[:held], chunk.sampling)
     fields = [
         GeneratedResult(
             id=p.id, job=JOB, chunk=chunk.chunk_id, prompt_ids=p.prompt_ids,
@@ -166,7 +183,7 @@ def used_memory(r: redis.Redis) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def run(prompts: int, chunk_size: int) -> dict[str, Any]:
+def run(prompts: int, chunk_size: int, held: int | None = None) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory() as tmp,
         running_redis(Path(tmp) / "redis", "--appendonly", "no") as server,
@@ -177,13 +194,15 @@ def run(prompts: int, chunk_size: int) -> dict[str, Any]:
         ledger = CommitLedger(r, JOB)
         ledger.start_epoch()
         publisher = ChunkPublisher(make_app(server.url), r, spec)
+        messages = ChunkMessages(make_app(server.url))
         book = LeaseBook(r)
         before = used_memory(r)
         started = time.monotonic()
         committed = 0
         for first in range(0, prompts, chunk_size):
             publish(publisher, first, min(chunk_size, prompts - first))
-            generate(r, book, *deliver(r, keys.generate_queue(JOB)))
+            while r.llen(keys.generate_queue(JOB)):  # the chunk, and what it gave back
+                generate(r, book, *deliver(r, keys.generate_queue(JOB)), held, messages)
             backlog = first + chunk_size - committed
             if backlog >= SHARD_ROWS:
                 committed += commit(r, ledger, backlog)
@@ -191,6 +210,7 @@ def run(prompts: int, chunk_size: int) -> dict[str, Any]:
             committed += commit(r, ledger, prompts - committed)
         elapsed = time.monotonic() - started
         publisher.close()
+        messages.close()
         assert ledger.count() == (prompts, 0)
         after = used_memory(r)
         return {"bytes": after - before, "seconds": elapsed, "families": key_families(r)}
@@ -200,10 +220,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=1_000_000)
     parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument(
+        "--held", type=int, help="each delivery holds this many, gives back the rest"
+    )
     args = parser.parse_args()
-    m = run(args.prompts, args.chunk_size)
+    m = run(args.prompts, args.chunk_size, args.held)
     n = args.prompts
-    print(f"{n:,} prompts in chunks of {args.chunk_size}, shards of {SHARD_ROWS}")
+    held = f", each delivery holding {args.held}" if args.held else ""
+    print(f"{n:,} prompts in chunks of {args.chunk_size}{held}, shards of {SHARD_ROWS}")
     print(f"used_memory after - before: {m['bytes'] / n:.1f} bytes per prompt (target <= 100)")
     print(f"prompts/s, enqueue to committed, one process: {n / m['seconds']:,.0f}")
     print("key family                                  bytes/prompt")
