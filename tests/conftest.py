@@ -12,6 +12,14 @@ import redis
 from regen.common import settings
 from tests.redis_server import RedisServer, reserved_port, running_redis
 
+# One torch (OpenMP) thread per process, set before anything imports torch; the
+# processes a test starts (`regen demo`, its workers) inherit it. The suite runs more
+# processes than cores, and torch's default, one thread per core, makes each model step
+# wait at OpenMP barriers for threads that another process holds off the CPU: measured on
+# 2 busy cores, tests/test_local_engine.py took 145 s of CPU with the default and 46 s
+# with one thread, the local-engine demo 137 s and 67 s. What the tests assert does not
+# depend on the thread count: each compares results computed in the same process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
