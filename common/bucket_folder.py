@@ -96,6 +96,14 @@ class BucketFolder:
         names = [meta["path"].rsplit("/", 1)[-1] for meta in listed["objects"]]
         return sorted(name for name in names if name.startswith(prefix))
 
+    def children(self) -> list[str]:
+        """The names of the folders directly below this one, sorted."""
+        try:
+            listed = obstore.list_with_delimiter(self._store)
+        except Exception as exc:
+            raise BucketError(f"listing {self.url}: {_one_line(exc)}") from None
+        return sorted(prefix.rstrip("/").rsplit("/", 1)[-1] for prefix in listed["common_prefixes"])
+
     def size(self, name: str) -> int | None:
         """The object's size, None when there is none of that name."""
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import IO
 
 import zstandard
 
@@ -31,7 +32,7 @@ class TruncatedFrame(zstandard.ZstdError):
 class _ZstdFrames(io.RawIOBase):
     """The decompressed bytes of a file of one or more concatenated zstd frames."""
 
-    def __init__(self, fh: io.BufferedIOBase) -> None:
+    def __init__(self, fh: IO[bytes]) -> None:
         self._fh = fh
         self._dctx = zstandard.ZstdDecompressor()
         self._frame: zstandard.ZstdDecompressionObj | None = None  # None between frames
@@ -75,7 +76,9 @@ class _ZstdFrames(io.RawIOBase):
         super().close()
 
 
-def open_zstd(path: Path) -> io.BufferedReader:
-    """The decompressed content of `path`, to read or iterate line by line; reading past
-    a cut frame raises TruncatedFrame, a damaged one zstandard.ZstdError."""
-    return io.BufferedReader(_ZstdFrames(open(path, "rb")), buffer_size=BUFFER_SIZE)
+def open_zstd(source: Path | IO[bytes]) -> io.BufferedReader:
+    """The decompressed content of a file (a path, or a binary stream such as an object
+    being downloaded, closed with the reader), to read or iterate line by line; reading
+    past a cut frame raises TruncatedFrame, a damaged one zstandard.ZstdError."""
+    fh = open(source, "rb") if isinstance(source, Path) else source  # noqa: SIM115 (closed with the reader)
+    return io.BufferedReader(_ZstdFrames(fh), buffer_size=BUFFER_SIZE)

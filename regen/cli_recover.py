@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from regen.common import connection, jobspec, keys
-from regen.options import redis_url_option
+from regen.options import ShardsLocation, redis_url_option
 
 if TYPE_CHECKING:
     from regen.ops.recover import Recovery
@@ -28,24 +28,25 @@ def _names(names: list[str]) -> str:
     "--out",
     "out_dir",
     required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="The tokenize worker's --out: the job's shards are in OUT/JOB.",
+    type=ShardsLocation(),
+    help="The tokenize worker's --out (a folder or a bucket URL): the job's shards are in OUT/JOB.",
 )
 @redis_url_option
-def recover(job: str, out_dir: Path, redis_url: str | None) -> None:
+def recover(job: str, out_dir: Path | str, redis_url: str | None) -> None:
     """Rebuild the job's committed index, shard list, shard counter and epoch in Redis
     from its shards, after Redis came back behind the disk (restored from an older copy,
     a failover to a lagging replica); then run the job's `regen enqueue` command again.
     Safe to rerun. Exit status 1 when the shards hold what it cannot mend (an unreadable
     shard, an id in two shards)."""
+    from regen.consumers.tokenize.operator_view import job_folder
     from regen.ops.recover import recover as recover_job
 
     try:
         keys.check_job_name(job)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--job") from exc
-    folder = out_dir / job
-    if not folder.is_dir():
+    folder = job_folder(out_dir, job)
+    if not folder.readable_here():
         raise click.ClickException(f"no folder {folder}: give the tokenize worker's --out")
     r = connection.client(connection.resolve_url(redis_url))
     report = recover_job(r, job, folder)

@@ -11,7 +11,7 @@ import orjson
 import redis
 
 from regen.common import connection, defaults, jobspec
-from regen.options import redis_url_option
+from regen.options import ShardsLocation, redis_url_option
 
 if TYPE_CHECKING:
     from regen.ops.reconcile import Reconciliation
@@ -89,22 +89,29 @@ def status(
 @click.option("--no-shards", is_flag=True, help="Check Redis only; do not read shard files.")
 @click.option(
     "--shards-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=ShardsLocation(),
     default=None,
-    help="The job's shard folder as seen here (default: where its tokenize worker wrote).",
+    help="The job's shard folder as seen here, or its bucket URL (default: where its "
+    "tokenize worker wrote).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the reconciliation as JSON.")
 @redis_url_option
 def verify(
-    job: str, no_shards: bool, shards_dir: Path | None, as_json: bool, redis_url: str | None
+    job: str,
+    no_shards: bool,
+    shards_dir: Path | str | None,
+    as_json: bool,
+    redis_url: str | None,
 ) -> None:
     """Reconcile every enqueued prompt id: done in a shard, in flight, waiting, or
     dead-lettered, each exactly once; with the shard files' ids against the committed
     index. Exit status 1 on any missing, duplicated or misplaced id."""
+    from regen.consumers.tokenize.operator_view import folder_at
     from regen.ops.reconcile import reconcile
 
     r = _client(redis_url, job)
-    report = reconcile(r, jobspec.load(r, job), shards_dir, read_shards=not no_shards)
+    folder = None if shards_dir is None else folder_at(shards_dir)
+    report = reconcile(r, jobspec.load(r, job), folder, read_shards=not no_shards)
     if as_json:
         click.echo(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:

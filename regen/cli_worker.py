@@ -7,7 +7,6 @@ Options are named after those objects' fields.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -17,6 +16,7 @@ from regen.common.record import ON_TRUNCATED
 from regen.consumers.generate.engines import AUTO, BUILTIN
 from regen.options import (
     F,
+    ShardsLocation,
     csv_list,
     int_option,
     json_object,
@@ -187,8 +187,10 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
         "out_dir",
         default=defaults.OUT_DIR,
         envvar="REGEN_OUT",
-        type=click.Path(file_okay=False, path_type=Path),
-        help="Shards go to OUT/JOB/.",
+        type=ShardsLocation(),
+        help="Shards go to OUT/JOB/: a local folder, or object storage (s3://bucket/prefix, "
+        "gs://, az://; credentials and endpoint from the environment, e.g. AWS_* and "
+        "AWS_ENDPOINT_URL; temp files in REGEN_SPOOL_DIR).",
     ),
     click.option(
         "--jobs", multiple=True, callback=csv_list, help="Only these jobs (default: all)."

@@ -12,12 +12,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 import orjson
 
 from regen.common import defaults
+from regen.common.bucket_folder import SCHEMES as BUCKET_SCHEMES
+from regen.common.bucket_folder import is_bucket_url
 from regen.common.jobspec import TURN_MODES, TURNS_LAST
 
 if TYPE_CHECKING:
@@ -228,3 +231,28 @@ def print_json_or_text(document: Any, as_json: bool) -> None:
         click.echo(orjson.dumps(document.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
         click.echo(document.to_text())
+
+
+class ShardsLocation(click.ParamType):
+    """A shard folder: a local path, or an object storage URL (`s3://bucket/prefix`,
+    `gs://`, `az://`), kept a str since pathlib would fold its `//` (the old bug: a
+    local folder named `s3:`)."""
+
+    name = "PATH|URL"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> Path | str:
+        if isinstance(value, Path):
+            return value
+        text = str(value)
+        if is_bucket_url(text):
+            return text
+        if "://" in text:
+            self.fail(
+                f"{text}: not a folder, and not an object storage URL regen reads "
+                f"({', '.join(f'{s}://' for s in BUCKET_SCHEMES)})",
+                param,
+                ctx,
+            )
+        return Path(text)

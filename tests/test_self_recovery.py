@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from regen.common import jobspec, keys
+from regen.consumers.tokenize.job_folder import LocalFolder
 from regen.consumers.tokenize.self_recovery import RecoveryLock, recover_behind
 from regen.ops.recover import Recovery
 from tests.helpers import committed_count, make_result, wait_for, write_jsonl
@@ -18,7 +19,7 @@ from tests.test_redis_restore import JOB, dump_all, enqueue_args, regen, restore
 from tests.test_tokenize_stage import InProcess, options, push
 
 
-def behind_the_disk(redis_url: str, r: redis.Redis, tmp_path: Path, tok: Any) -> Path:
+def behind_the_disk(redis_url: str, r: redis.Redis, tmp_path: Path, tok: Any) -> LocalFolder:
     """A job with three shards on disk in a Redis restored from a copy taken after the
     first: its folder."""
     rows = [{"prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(12)]
@@ -37,7 +38,7 @@ def behind_the_disk(redis_url: str, r: redis.Redis, tmp_path: Path, tok: Any) ->
         wait_for(lambda: committed_count(r, JOB) == 12 and not r.hlen(keys.pending_shards(JOB)),
                  what="all committed")  # fmt: skip
     restore_all(r, copy)
-    return out / JOB
+    return LocalFolder(out / JOB)
 
 
 def test_workers_finding_redis_behind_at_once_recover_it_once(

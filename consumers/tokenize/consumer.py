@@ -28,10 +28,16 @@ from regen.common.heartbeat import last_seen
 from regen.common.record import RecordContext
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.job_folder import (
+    JobFolder,
+    LocalFolder,
+    check_writable,
+    job_folder,
+    local_root,
+)
 from regen.consumers.tokenize.job_writer import JobWriter, ShardPolicy
 from regen.consumers.tokenize.ledger_vs_disk import RedisBehind, ensure_current, manifest_epoch
 from regen.consumers.tokenize.self_recovery import recover_behind
-from regen.consumers.tokenize.shard_files import check_writable
 from regen.consumers.tokenize.takeover import (
     claim_from,
     dead_consumers,
@@ -49,7 +55,8 @@ DISK_POLL_S = 2.0
 
 @dataclass
 class TokenizeOptions:
-    out_dir: Path
+    # A local folder, or an object storage URL (kept a str: pathlib folds its `//`).
+    out_dir: Path | str
     jobs: list[str] = field(default_factory=list)
     policy: ShardPolicy = field(default_factory=ShardPolicy)
     on_truncated: str = defaults.ON_TRUNCATED
@@ -71,6 +78,11 @@ class ConsumerState:
     writers: dict[str, JobWriter] = field(default_factory=dict)
     # Jobs not written because Redis is behind their shard folder: job -> why, and the fix.
     behind: dict[str, str] = field(default_factory=dict)
+
+
+def _where(folder: JobFolder) -> str:
+    """The folder as status and verify find it again: an absolute path, or the URL."""
+    return str(folder.path.resolve()) if isinstance(folder, LocalFolder) else str(folder)
 
 
 def free_bytes(folder: Path) -> int:
@@ -116,7 +128,9 @@ class TokenizeConsumer:
         self._refused: set[str] = set()
         self._groups_lost = False
         check_writable(options.out_dir)  # raises UnwritableFolder, before any Redis work
-        self.state.free_bytes = free_bytes(options.out_dir)  # known from the first heartbeat
+        # Free space where this worker's files are: the shard folder, or a bucket's spool.
+        self._local_root = local_root(options.out_dir)
+        self.state.free_bytes = free_bytes(self._local_root)  # known from the first heartbeat
 
     # --- jobs ----------------------------------------------------------------------
 
@@ -141,7 +155,7 @@ class TokenizeConsumer:
                     self._take_own_pending(writer)
 
     def _open_job(self, job: str) -> JobWriter | None:
-        folder = self._options.out_dir / job
+        folder = job_folder(self._options.out_dir, job)
         # Checked before the tokenizer loads: a job whose Redis is behind is retried often.
         ensure_current(CommitLedger(self._r, job), job, folder, manifest_epoch(folder))
         spec = jobspec.load(self._r, job)
@@ -164,9 +178,7 @@ class TokenizeConsumer:
         self._r.hset(
             keys.TOKENIZE_OUTPUTS,
             job,
-            orjson.dumps(
-                {"dir": str(folder.resolve()), "host": os.uname().nodename, "worker": self.name}
-            ),
+            orjson.dumps({"dir": _where(folder), "host": os.uname().nodename, "worker": self.name}),
         )
         writer = JobWriter(self._r, job, folder, self.name, context, self._options.policy)
         writer.recover(self._live_owners())
@@ -323,7 +335,8 @@ class TokenizeConsumer:
         the workers (self_recovery.py), and take the job up again at the next refresh."""
         self.state.behind[job] = str(exc)
         log.error("%s", exc)
-        if recover_behind(self._r, job, self._options.out_dir / job, self.name) is not None:
+        folder = job_folder(self._options.out_dir, job)
+        if recover_behind(self._r, job, folder, self.name) is not None:
             self._next_recover = 0.0
 
     def _take_over_dead(self) -> None:
@@ -391,7 +404,7 @@ class TokenizeConsumer:
             self._commit(writer)
 
     def _disk_ok(self) -> bool:
-        free = free_bytes(self._options.out_dir)
+        free = free_bytes(self._local_root)
         self.state.free_bytes = free
         ok = free >= self._options.min_free_bytes
         if ok == self.state.paused_for_disk:  # state changes: say so once
@@ -401,7 +414,7 @@ class TokenizeConsumer:
                 log.error(
                     "only %d MB free at %s (need %d MB): paused until space returns",
                     free >> 20,
-                    self._options.out_dir,
+                    self._local_root,
                     self._options.min_free_bytes >> 20,
                 )
         self.state.paused_for_disk = not ok

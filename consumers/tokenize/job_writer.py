@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 
@@ -29,6 +28,7 @@ from regen.common.record import CheckFailed, Reason, RecordContext, build_record
 from regen.common.results import GeneratedResult
 from regen.consumers.tokenize.commit_ledger import CLAIM_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.entries import Unreadable, read_entry
+from regen.consumers.tokenize.job_folder import JobFolder, ShardRef
 from regen.consumers.tokenize.ledger_vs_disk import (
     RedisBehind,
     behind_error,
@@ -39,12 +39,9 @@ from regen.consumers.tokenize.shard_files import (
     OpenShard,
     ShardExists,
     ShardInfo,
-    append_manifest,
     describe,
     leftover_owner,
     owner_token,
-    place,
-    read_manifest,
     rewrite_without,
     shard_name,
     tmp_path,
@@ -91,7 +88,7 @@ class JobWriter:
         self,
         r: redis.Redis,
         job: str,
-        folder: Path,
+        folder: JobFolder,
         owner: str,
         context: RecordContext,
         policy: ShardPolicy,
@@ -114,7 +111,7 @@ class JobWriter:
         # Some entries were left unacknowledged, to be read again by this consumer once
         # what held them is resolved (the consumer re-reads and clears it).
         self.left_unacked = False
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.spool.mkdir(parents=True, exist_ok=True)
         # Refuses a Redis that lost shards of this folder (RedisBehind); the job's first
         # shard starts epoch 1.
         epoch = ensure_current(self._ledger, job, folder, manifest_epoch(folder))
@@ -122,7 +119,7 @@ class JobWriter:
         # The job's provenance beside its shards, so the folder says what made it.
         made_by = provenance.load(r, job)
         if made_by is not None:
-            provenance.write_file(folder, made_by)
+            folder.write_provenance(made_by)
 
     @property
     def stream(self) -> str:
@@ -204,9 +201,9 @@ class JobWriter:
             return
         if self._shard is None:
             name = shard_name(self._ledger.next_shard_seq())
-            if (self.folder / name).exists():
+            if self.folder.has(name):
                 raise behind_error(self.job, self.folder, f"its counter gave out {name} again")
-            self._shard = OpenShard(self.folder, name, self.owner, epoch=self._epoch)
+            self._shard = OpenShard(self.folder.spool, name, self.owner, epoch=self._epoch)
         self._shard.add(record)
         crashpoints.hit("tokenize.mid_shard")
         self._entries[result.id] = [entry_id]
@@ -344,7 +341,7 @@ class JobWriter:
             log.warning("shard %s of %s abandoned: Redis lost its claim", shard.name, self.job)
             return
         try:
-            place(self.folder, info, self.owner)
+            self.folder.place(info, self.owner)
         except ShardExists:
             self._ledger.release(claim, owner=self.owner)
             shard.abort()
@@ -389,26 +386,27 @@ class JobWriter:
                 self._resolve(claim)
         live = {owner_token(o) for o in live_owners} | {owner_token(self.owner)}
         unexpired = {owner_token(c.owner) for c in pending.values() if not c.expired()}
-        for path in self.folder.iterdir():
+        for path in self.folder.spool.iterdir():
             token = leftover_owner(path)
             if token is not None and token not in live and token not in unexpired:
                 log.warning("%s: removing leftover %s", self.job, path.name)
                 path.unlink(missing_ok=True)
 
     def _resolve(self, claim: PendingShard) -> None:
-        final = self.folder / claim.shard
-        if final.exists():
-            manifest = read_manifest(self.folder).shards
-            info = manifest.get(claim.shard) or describe(final, self._epoch)
+        if self.folder.has(claim.shard):
+            manifest = self.folder.manifest().shards
+            info = manifest.get(claim.shard) or describe(
+                ShardRef(self.folder, claim.shard), self._epoch
+            )
             if claim.shard not in manifest:
-                append_manifest(self.folder, info)
+                self.folder.add_manifest(info)
             self._ledger.finalize(claim.shard, info.to_json(), [], claim.ids)
             log.warning(
                 "%s: finished the commit of %s left by %s", self.job, claim.shard, claim.owner
             )
         else:
             self._ledger.release(claim)
-            tmp_path(self.folder, claim.shard, claim.owner).unlink(missing_ok=True)
+            tmp_path(self.folder.spool, claim.shard, claim.owner).unlink(missing_ok=True)
             log.warning(
                 "%s: released %s, never placed by %s; its results will be written again",
                 self.job,

@@ -16,10 +16,9 @@ across the workers (self_recovery.py); an operator may run it as `regen recover`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.shard_files import read_manifest, shard_paths
+from regen.consumers.tokenize.job_folder import JobFolder
 
 # Unknown shards named in a message; the rest are counted.
 _NAMED = 3
@@ -30,14 +29,14 @@ class RedisBehind(Exception):
     fix."""
 
 
-def recover_command(job: str, folder: Path) -> str:
+def recover_command(job: str, folder: JobFolder) -> str:
     """The command that rebuilds the job's ledger from its shard folder (OUT/JOB)."""
-    return f"regen recover --job {job} --out {folder.parent}"
+    return f"regen recover --job {job} --out {folder.out}"
 
 
-def manifest_epoch(folder: Path) -> int:
+def manifest_epoch(folder: JobFolder) -> int:
     """The newest ledger epoch the folder's manifest records (0: none)."""
-    return max((info.epoch for info in read_manifest(folder).shards.values()), default=0)
+    return max((info.epoch for info in folder.manifest().shards.values()), default=0)
 
 
 @dataclass(frozen=True)
@@ -64,14 +63,13 @@ class DiskCheck:
         return "; ".join(parts)
 
 
-def check(ledger: CommitLedger, folder: Path, disk_epoch: int) -> DiskCheck:
+def check(ledger: CommitLedger, folder: JobFolder, disk_epoch: int) -> DiskCheck:
     """Compare the folder's shard files, and `disk_epoch` (the newest the writer knows the
     manifest to hold), with the ledger."""
-    names = [path.name for path in shard_paths(folder)]
-    return DiskCheck(ledger.unknown_shards(names), disk_epoch, ledger.epoch())
+    return DiskCheck(ledger.unknown_shards(folder.shard_names()), disk_epoch, ledger.epoch())
 
 
-def behind_error(job: str, folder: Path, problem: str) -> RedisBehind:
+def behind_error(job: str, folder: JobFolder, problem: str) -> RedisBehind:
     """The refusal of a writer that found Redis behind the disk, naming the fix."""
     return RedisBehind(
         f"job {job}: Redis is behind the shards in {folder}: {problem}. It was restored "
@@ -83,7 +81,7 @@ def behind_error(job: str, folder: Path, problem: str) -> RedisBehind:
     )
 
 
-def ensure_current(ledger: CommitLedger, job: str, folder: Path, disk_epoch: int) -> int:
+def ensure_current(ledger: CommitLedger, job: str, folder: JobFolder, disk_epoch: int) -> int:
     """The ledger's epoch, after checking that Redis is not behind the folder (raises
     RedisBehind)."""
     found = check(ledger, folder, disk_epoch)
@@ -92,7 +90,7 @@ def ensure_current(ledger: CommitLedger, job: str, folder: Path, disk_epoch: int
     return found.redis_epoch
 
 
-def behind_message(ledger: CommitLedger, job: str, folder: Path) -> str | None:
+def behind_message(ledger: CommitLedger, job: str, folder: JobFolder) -> str | None:
     """For the operator commands: why Redis is behind the folder, with the fix; None
     when it is not."""
     found = check(ledger, folder, manifest_epoch(folder))

@@ -1,10 +1,20 @@
 """The tokenize stage as the operator tools see it (regen/ops, `regen shards`, the demo's
-report): the shards it wrote and how to read them, its commit ledger in Redis, and
-whether that ledger is behind the shard folder. regen/ops imports the tokenize stage
-from here only, so the stage's inner modules can change without touching them.
+report): the shards it wrote and how to read them, in a local folder or a bucket
+(job_folder.py), its commit ledger in Redis, and whether that ledger is behind the
+shard folder. regen/ops imports the tokenize stage from here only, so the stage's inner
+modules can change without touching them.
 """
 
 from regen.consumers.tokenize.commit_ledger import COUNT_LUA, CommitLedger, Sample
+from regen.consumers.tokenize.job_folder import (
+    JobFolder,
+    LocalFolder,
+    ShardRef,
+    as_folder,
+    folder_at,
+    job_folder,
+    job_folders,
+)
 from regen.consumers.tokenize.ledger_vs_disk import behind_message, manifest_epoch
 from regen.consumers.tokenize.shard_files import (
     MANIFEST,
@@ -27,15 +37,22 @@ __all__ = [
     "MANIFEST",
     "READ_ERRORS",
     "CommitLedger",
+    "JobFolder",
+    "LocalFolder",
     "Sample",
     "ShardInfo",
+    "ShardRef",
     "append_manifest",
+    "as_folder",
     "behind_message",
     "describe",
+    "folder_at",
     "is_job_folder",
     "iter_ids",
     "iter_job_ids",
     "iter_records",
+    "job_folder",
+    "job_folders",
     "manifest_epoch",
     "read_manifest",
     "shard_number",

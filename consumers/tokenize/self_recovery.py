@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from pathlib import Path
 
 import redis
 
 from regen.common import defaults, jobspec, keys
 from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.job_folder import JobFolder
 from regen.consumers.tokenize.ledger_vs_disk import check, manifest_epoch
 from regen.ops.recover import Recovery, recover
 
@@ -78,7 +78,7 @@ class RecoveryLock:
 def recover_behind(
     r: redis.Redis,
     job: str,
-    folder: Path,
+    folder: JobFolder,
     owner: str,
     ttl_s: float = defaults.RECOVER_LOCK_TTL_S,
 ) -> Recovery | None:

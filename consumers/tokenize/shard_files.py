@@ -26,10 +26,10 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import orjson
 import zstandard
@@ -43,6 +43,7 @@ MANIFEST = "manifest.jsonl"
 # A manifest line is ~250 bytes: a longer one is damage, and is skipped unread.
 MAX_MANIFEST_LINE = 64 << 10
 _SKIP_BLOCK = 1 << 16
+_HASH_BLOCK = 1 << 20
 _SHARD_PREFIX = "shard-"
 _SHARD_SUFFIX = ".jsonl.zst"
 SHARD_GLOB = f"{_SHARD_PREFIX}*{_SHARD_SUFFIX}"
@@ -57,6 +58,24 @@ _ID = re.compile(rb'"id":"([^"]*)"')
 _ID_WITHIN = 256
 # The same, with the job that follows the id ({"schema":"...","id":"...","job":"...").
 _ID_AND_JOB = re.compile(rb'\{"schema":"[^"]*","id":"([^"]*)","job":"([^"]*)"')
+
+
+class ShardSource(Protocol):
+    """A shard in place somewhere other than a local path (job_folder.ShardRef): its
+    name, and its compressed bytes as a stream."""
+
+    @property
+    def name(self) -> str: ...
+
+    def open(self) -> IO[bytes]: ...
+
+
+# What the readers below take: a shard file's path, or a shard in a bucket.
+Source = Path | ShardSource
+
+
+def _open(source: Source) -> IO[bytes]:
+    return open(source, "rb") if isinstance(source, Path) else source.open()
 
 
 def shard_name(seq: int) -> str:
@@ -370,25 +389,31 @@ class Manifest:
 def read_manifest(folder: Path) -> Manifest:
     """The manifest of a job folder (empty when it has none). A line over
     MAX_MANIFEST_LINE bytes is skipped in bounded reads, never held whole."""
-    manifest = Manifest({})
     path = folder / MANIFEST
     if not path.exists():
-        return manifest
+        return Manifest({})
     with open(path, "rb") as fh:
-        for number, line in enumerate(_capped_lines(fh), start=1):
-            if line is None:
-                manifest.bad.append((number, f"line {number} is over {MAX_MANIFEST_LINE:,} "
-                                             "bytes: no manifest line; skipped"))  # fmt: skip
-                continue
-            if not line.strip():
-                continue
-            info = _parse_line(line)
-            if info is not None:
-                manifest.shards[info.shard] = info
-            elif _is_torn(line):
-                manifest.torn.append(number)
-            else:
-                manifest.bad.append((number, f"line {number} is no manifest line"))
+        return parse_manifest_lines(_capped_lines(fh))
+
+
+def parse_manifest_lines(lines: Iterable[bytes | None]) -> Manifest:
+    """A manifest from its lines (None: a line over MAX_MANIFEST_LINE, skipped unread): a
+    local manifest.jsonl's, or a bucket's manifest objects' (job_folder.py)."""
+    manifest = Manifest({})
+    for number, line in enumerate(lines, start=1):
+        if line is None:
+            manifest.bad.append((number, f"line {number} is over {MAX_MANIFEST_LINE:,} "
+                                         "bytes: no manifest line; skipped"))  # fmt: skip
+            continue
+        if not line.strip():
+            continue
+        info = _parse_line(line)
+        if info is not None:
+            manifest.shards[info.shard] = info
+        elif _is_torn(line):
+            manifest.torn.append(number)
+        else:
+            manifest.bad.append((number, f"line {number} is no manifest line"))
     return manifest
 
 
@@ -403,19 +428,19 @@ def _capped_lines(fh: IO[bytes]) -> Iterator[bytes | None]:
         yield None
 
 
-def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+def iter_records(path: Source) -> Iterator[dict[str, Any]]:
     """Stream the records of a shard (for verify, stats, export and rare rewrites); raises
     one of READ_ERRORS where the shard is damaged or cut short."""
-    with open_zstd(path) as lines:
+    with open_zstd(_open(path)) as lines:
         for line in lines:
             if line != b"\n":
                 yield orjson.loads(line)
 
 
-def iter_ids(path: Path) -> Iterator[str]:
+def iter_ids(path: Source) -> Iterator[str]:
     """The id of every record in a shard, in order, without parsing whole records;
     raises as iter_records does (KeyError: a record without an id)."""
-    with open_zstd(path) as lines:
+    with open_zstd(_open(path)) as lines:
         for line in lines:
             if not line.strip():
                 continue
@@ -423,11 +448,11 @@ def iter_ids(path: Path) -> Iterator[str]:
             yield found.group(1).decode() if found else str(orjson.loads(line)["id"])
 
 
-def iter_job_ids(path: Path) -> Iterator[tuple[str, str] | None]:
+def iter_job_ids(path: Source) -> Iterator[tuple[str, str] | None]:
     """(job, id) of every record in a shard, row for row as iter_records yields them,
     without parsing whole records; None for a line that names neither (verify reports
     it). Raises one of READ_ERRORS where the shard is damaged or cut short."""
-    with open_zstd(path) as lines:
+    with open_zstd(_open(path)) as lines:
         for line in lines:
             if line == b"\n":
                 continue
@@ -445,9 +470,10 @@ def iter_job_ids(path: Path) -> Iterator[tuple[str, str] | None]:
             yield (job, rid) if isinstance(rid, str) and isinstance(job, str) else None
 
 
-def describe(path: Path, epoch: int) -> ShardInfo:
+def describe(path: Source, epoch: int) -> ShardInfo:
     """A manifest line rebuilt from a shard in place (recovery after a crash mid-append);
-    `epoch`: the ledger epoch to record, which the file itself does not hold."""
+    `epoch`: the ledger epoch to record, which the file itself does not hold. Streamed:
+    the records once, the compressed bytes once for their hash and size."""
     rows = prompt_tokens = completion_tokens = uncompressed = 0
     flags: Counter[str] = Counter()
     versions: Counter[str] = Counter()
@@ -459,16 +485,21 @@ def describe(path: Path, epoch: int) -> ShardInfo:
         flags.update(record.get("flags", ()))
         if record.get("server_version"):
             versions[record["server_version"]] += 1
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    size = 0
+    with _open(path) as fh:
+        while block := fh.read(_HASH_BLOCK):
+            digest.update(block)
+            size += len(block)
     return ShardInfo(
         shard=path.name,
         rows=rows,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         uncompressed_bytes=uncompressed,
-        compressed_bytes=path.stat().st_size,
-        sha256=digest,
-        created=path.stat().st_mtime,
+        compressed_bytes=size,
+        sha256=digest.hexdigest(),
+        created=path.stat().st_mtime if isinstance(path, Path) else time.time(),
         epoch=epoch,
         flags=dict(flags),
         server_versions=dict(versions),

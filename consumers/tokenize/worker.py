@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 from regen.common import connection, gc_tuning
 from regen.common.heartbeat import Heartbeat, RateMeter, worker_name
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
+from regen.consumers.tokenize.job_folder import is_bucket
 from regen.consumers.tokenize.metrics import tokenize_metrics
 
 log = logging.getLogger("regen.tokenize")
@@ -38,7 +40,9 @@ def run_worker(
         last_total[0] = total
         return {
             "kind": "tokenize",
-            "out_dir": str(options.out_dir.resolve()),
+            "out_dir": str(options.out_dir)
+            if is_bucket(options.out_dir)
+            else str(Path(options.out_dir).resolve()),
             "paused_for_disk": consumer.state.paused_for_disk,
             "free_bytes": consumer.state.free_bytes,
             "tokens_per_s": tokens.rate(),

@@ -28,7 +28,7 @@ import orjson
 from regen.common import crashpoints, provenance
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.common.samples import prompt_unit
-from regen.consumers.tokenize.operator_view import iter_records, read_manifest, shard_paths
+from regen.consumers.tokenize.operator_view import JobFolder, ShardRef, iter_records, job_folders
 from regen.ops.dataset_card import ExportedStats, write_card
 from regen.ops.export_order import bucket_count, held_out, shuffle_key, sort_by_key
 from regen.ops.export_sinks import (
@@ -41,7 +41,6 @@ from regen.ops.export_sinks import (
     require_datasets,
 )
 from regen.ops.shard_copies import Copies, find_copies
-from regen.ops.shards_inspect import job_folders
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "ExportOptions", "ExportSummary", "export"]
 
@@ -134,13 +133,14 @@ def heldout_path(out: Path) -> Path:
 
 
 def export(
-    folder: Path,
+    folder: Path | str,
     out: Path,
     options: ExportOptions | None = None,
     heldout_out: Path | None = None,
     dead_letters: dict[str, Counter[str]] | None = None,
 ) -> ExportSummary:
-    """Write the records at `folder` (a job folder or a folder of them) to `out`, and the
+    """Write the records at `folder` (a job folder or a folder of them, local or in a
+    bucket: read streamed either way) to `out`, and the
     held-out ones to `heldout_out` (default: heldout_path(out)) when options.heldout.
 
     Every output carries the jobs' provenance (common/provenance.py): a `datasets` folder
@@ -157,7 +157,7 @@ def export(
         paths.append(summary.heldout_out)
     _check_outputs(options.format, paths)
     shape, open_sink = FORMATS[options.format]
-    shards = [path for job in jobs for path in shard_paths(job)]
+    shards = [shard for job in jobs for shard in job.shards()]
     sinks: list[Sink] = []
     try:
         for path in paths:
@@ -202,7 +202,7 @@ def _describe(
     options: ExportOptions,
     summary: ExportSummary,
     paths: list[Path],
-    jobs: list[Path],
+    jobs: list[JobFolder],
     dead_letters: dict[str, Counter[str]] | None,
 ) -> None:
     """Write each output's provenance, and a `datasets` folder's card: each job's
@@ -210,10 +210,10 @@ def _describe(
     manifest: the servers' versions are known only as their results come in)."""
     made_by = []
     for job in jobs:
-        found = provenance.read_file(job)
+        found = job.read_provenance()
         if found is not None:
             versions: Counter[str] = Counter()
-            for info in read_manifest(job).shards.values():
+            for info in job.manifest().shards.values():
                 versions.update(info.server_versions)
             made_by.append({**found, "server_versions": dict(versions)})
     for path, stats in zip(paths, summary.stats, strict=False):
@@ -233,7 +233,7 @@ def _describe(
         summary.card_without_picture |= not drawn
 
 
-def select_jobs(folder: Path, names: Sequence[str]) -> list[Path]:
+def select_jobs(folder: Path | str, names: Sequence[str]) -> list[JobFolder]:
     """The job folders to export: those named, in the order given, or else all."""
     jobs = job_folders(folder)
     if not jobs:
@@ -265,12 +265,12 @@ def _check_outputs(fmt: str, paths: list[Path]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _label(shard: Path) -> str:
-    return f"{shard.parent.name}/{shard.name}"
+def _label(shard: ShardRef) -> str:
+    return f"{shard.folder.name}/{shard.name}"
 
 
 def _selected(
-    shards: list[Path],
+    shards: list[ShardRef],
     copies: Copies,
     options: ExportOptions,
     summary: ExportSummary,
@@ -343,9 +343,7 @@ def _shuffled(
         yield payload[0], payload[1]
 
 
-def _data_bytes(jobs: list[Path]) -> int:
+def _data_bytes(jobs: list[JobFolder]) -> int:
     """The records' size, from the manifests: what the shuffle's buckets will hold, at
     most (rows drop `messages` and the like)."""
-    return sum(
-        info.uncompressed_bytes for job in jobs for info in read_manifest(job).shards.values()
-    )
+    return sum(info.uncompressed_bytes for job in jobs for info in job.manifest().shards.values())

@@ -36,7 +36,12 @@ import redis
 
 from regen.common import keys, provenance, tokenizer_refusals
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.operator_view import CommitLedger, behind_message
+from regen.consumers.tokenize.operator_view import (
+    CommitLedger,
+    JobFolder,
+    as_folder,
+    behind_message,
+)
 from regen.ops import accounting, locate
 from regen.ops.accounting import text
 from regen.ops.reconcile_shards import BATCH, batches, check_shards, shard_folder
@@ -214,7 +219,10 @@ def _place_enqueued(
 
 
 def reconcile(
-    r: redis.Redis, spec: JobSpec, shards_dir: Path | None, read_shards: bool = True
+    r: redis.Redis,
+    spec: JobSpec,
+    shards_dir: JobFolder | Path | str | None,
+    read_shards: bool = True,
 ) -> Reconciliation:
     """Reconcile the job; `shards_dir` overrides where its shards are read from."""
     job = spec.name
@@ -240,11 +248,11 @@ def reconcile(
     if not read_shards:
         report.shards_note = "shard files not read (--no-shards)"
         return report
-    folder = shards_dir or shard_folder(r, job)
+    folder = shard_folder(r, job) if shards_dir is None else as_folder(shards_dir)
     if folder is None:
         report.shards_note = "shard files not read: no tokenize worker recorded a folder yet"
         return report
-    if not folder.is_dir():
+    if not folder.readable_here():
         report.shards_note = (
             f"shard files not read: {folder} is not a folder here (on another host? "
             "give --shards-dir, or --no-shards)"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
 import orjson
 import redis
@@ -20,9 +19,11 @@ from regen.common import keys
 from regen.consumers.tokenize.operator_view import (
     READ_ERRORS,
     CommitLedger,
+    JobFolder,
+    ShardRef,
     behind_message,
+    folder_at,
     iter_ids,
-    shard_paths,
 )
 
 BATCH = 1000
@@ -41,13 +42,13 @@ def batches(items: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def shard_folder(r: redis.Redis, job: str) -> Path | None:
-    """Where the tokenize stage says the job's shards are (on its host)."""
+def shard_folder(r: redis.Redis, job: str) -> JobFolder | None:
+    """Where the tokenize stage says the job's shards are (on its host, or a bucket)."""
     raw = r.hget(keys.TOKENIZE_OUTPUTS, job)
-    return Path(orjson.loads(raw)["dir"]) if raw else None
+    return folder_at(orjson.loads(raw)["dir"]) if raw else None
 
 
-def _check_file(ledger: CommitLedger, path: Path, report: Report) -> tuple[set[str], int]:
+def _check_file(ledger: CommitLedger, path: ShardRef, report: Report) -> tuple[set[str], int]:
     """Checks each id of one shard against the index; returns (the ids whose index entry
     names this shard, ids read)."""
     name = path.name
@@ -73,7 +74,7 @@ def _check_file(ledger: CommitLedger, path: Path, report: Report) -> tuple[set[s
 
 
 def check_shards(
-    ledger: CommitLedger, folder: Path, per_shard: Counter[str], report: Report
+    ledger: CommitLedger, folder: JobFolder, per_shard: Counter[str], report: Report
 ) -> tuple[int, int]:
     """Check the job's shard files at `folder` against `committed` (`per_shard`: how many
     ids the index put in each shard). Returns (files read, ids read).
@@ -83,17 +84,17 @@ def check_shards(
     file listed is in one of the two by then. Shards still pending are skipped (their
     ids are in flight).
     """
-    on_disk = {p.name for p in shard_paths(folder)}
+    on_disk = set(folder.shard_names())
     final, pending = ledger.shard_names()
     for name in sorted(final - on_disk):
-        if not (folder / name).exists():  # not placed after the listing either
+        if not folder.has(name):  # not placed after the listing either
             report("missing_shard_file", name, f"listed, {per_shard[name]} ids, not in {folder}")
     files = ids_read = 0
     short: dict[str, set[str]] = {}
     for name in sorted(on_disk - pending):
         if name not in final:
             report("unlisted_shard", name, f"in {folder} but not one of the job's shards")
-        matched, read = _check_file(ledger, folder / name, report)
+        matched, read = _check_file(ledger, ShardRef(folder, name), report)
         files += 1
         ids_read += read
         if len(matched) < per_shard[name]:
@@ -105,7 +106,7 @@ def check_shards(
     return files, ids_read
 
 
-def compare_folder(ledger: CommitLedger, job: str, folder: Path, report: Report) -> int:
+def compare_folder(ledger: CommitLedger, job: str, folder: JobFolder, report: Report) -> int:
     """`regen shards verify` with Redis: the job folder's files against its ledger (Redis
     behind the disk, and every shard's ids against the committed index). Returns the
     ids read."""

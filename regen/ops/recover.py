@@ -35,14 +35,14 @@ from regen.common.conversation import split_turn_id, turn_id
 from regen.consumers.tokenize.operator_view import (
     READ_ERRORS,
     CommitLedger,
+    JobFolder,
     ShardInfo,
-    append_manifest,
+    ShardRef,
+    as_folder,
     describe,
     iter_ids,
     manifest_epoch,
-    read_manifest,
     shard_number,
-    shard_paths,
 )
 from regen.ops.reconcile import missing_ids
 from regen.ops.reconcile_shards import batches
@@ -56,7 +56,7 @@ class Recovery:
     """What `regen recover` found and did."""
 
     job: str
-    folder: Path
+    folder: JobFolder
     shards_on_disk: int = 0
     # On disk, unknown to Redis (neither in place nor pending): what Redis had lost.
     shards_restored: list[str] = field(default_factory=list)
@@ -91,12 +91,13 @@ class Recovery:
         return not self.duplicates and not self.unreadable
 
 
-def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
-    """Rebuild `job`'s ledger from its shard folder (OUT/JOB)."""
+def recover(r: redis.Redis, job: str, where: JobFolder | Path | str) -> Recovery:
+    """Rebuild `job`'s ledger from its shard folder (OUT/JOB, local or in a bucket)."""
+    folder = as_folder(where)
     ledger = CommitLedger(r, job)
     report = Recovery(job, folder)
-    manifest = read_manifest(folder).shards
-    paths = shard_paths(folder)
+    manifest = folder.manifest().shards
+    paths = folder.shards()
     on_disk = {path.name for path in paths}
     known, _ = ledger.shard_names()
     disk_epoch = manifest_epoch(folder)
@@ -108,7 +109,7 @@ def recover(r: redis.Redis, job: str, folder: Path) -> Recovery:
         try:
             if info is None:  # placed, then the writer died before its manifest line
                 info = describe(path, disk_epoch)
-                append_manifest(folder, info)
+                folder.add_manifest(info)
                 report.manifest_lines_rebuilt.append(path.name)
             ids = _restore_shard(ledger, path, info, on_disk, report)
             if lost is not None:
@@ -161,7 +162,7 @@ def forget_missing(r: redis.Redis, spec: jobspec.JobSpec, missing: list[str]) ->
 
 
 def _restore_shard(
-    ledger: CommitLedger, path: Path, info: ShardInfo, on_disk: set[str], report: Recovery
+    ledger: CommitLedger, path: ShardRef, info: ShardInfo, on_disk: set[str], report: Recovery
 ) -> list[str]:
     """Map the shard's ids that Redis lost to it and record it as committed; returns
     the ids it keeps."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -42,7 +41,13 @@ from regen.common.conversation import (
 )
 from regen.common.jobspec import JobSpec
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.operator_view import READ_ERRORS, CommitLedger, iter_records
+from regen.consumers.tokenize.operator_view import (
+    READ_ERRORS,
+    CommitLedger,
+    JobFolder,
+    ShardRef,
+    iter_records,
+)
 from regen.ops.accounting import MESSAGES_PER_CALL, text
 from regen.ops.locate import decode_chunk_message
 from regen.ops.reconcile_shards import batches
@@ -70,7 +75,7 @@ class TurnsResumed:
 
 
 def resume_after_shards(
-    r: redis.Redis, ledger: CommitLedger, spec: JobSpec, folder: Path, on_disk: set[str]
+    r: redis.Redis, ledger: CommitLedger, spec: JobSpec, folder: JobFolder, on_disk: set[str]
 ) -> TurnsResumed:
     """Mark the committed turns of the window's conversations generated, with their
     answers checkpointed from their records (the module doc)."""
@@ -125,7 +130,7 @@ class LostAnswers:
         self.turns = 0
         self.conversations: set[str] = set()
 
-    def save(self, shard: Path, ids: list[str]) -> None:
+    def save(self, shard: ShardRef, ids: list[str]) -> None:
         """Save the answers of the shard's turns (`ids`) whose conversation is lost."""
         wanted: set[str] = set()
         for batch in batches(ids):
@@ -148,7 +153,9 @@ class LostAnswers:
         pipe.execute()
         self.turns += len(found)
 
-    def save_settled_before(self, ledger: CommitLedger, folder: Path, missing: list[str]) -> None:
+    def save_settled_before(
+        self, ledger: CommitLedger, folder: JobFolder, missing: list[str]
+    ) -> None:
         """Save the answers of the turns committed before each conversation's first
         turn in `missing` (a conversation's turns settle in order, so those are all it
         has in shards), reading only the shards that hold them."""
@@ -164,10 +171,10 @@ class LostAnswers:
                     by_shard.setdefault(owner, []).append(tid)
         for shard, ids in sorted(by_shard.items()):
             with contextlib.suppress(OSError, *READ_ERRORS):  # `recover` reported it
-                self.save(folder / shard, ids)
+                self.save(ShardRef(folder, shard), ids)
 
 
-def _answers(folder: Path, plans: list[_Resume]) -> dict[str, dict[str, Any]]:
+def _answers(folder: JobFolder, plans: list[_Resume]) -> dict[str, dict[str, Any]]:
     """Each committed turn's answer, the assistant message its record ends with; one
     pass over each shard that holds some."""
     by_shard: dict[str, set[str]] = {}
@@ -176,7 +183,7 @@ def _answers(folder: Path, plans: list[_Resume]) -> dict[str, dict[str, Any]]:
             by_shard.setdefault(shard, set()).add(tid)
     found: dict[str, dict[str, Any]] = {}
     for shard, wanted in sorted(by_shard.items()):
-        for record in iter_records(folder / shard):
+        for record in iter_records(ShardRef(folder, shard)):
             if record["id"] in wanted:
                 found[record["id"]] = record["messages"][-1]
     return found

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from regen.consumers.tokenize.operator_view import iter_job_ids
+from regen.consumers.tokenize.operator_view import ShardRef, iter_job_ids
 
 # Spilled key bytes per bucket while it is sorted: ~40K keys of ~100 bytes as Python
 # objects, ~15 MB. Past MAX_BUCKETS buckets, buckets grow instead.
@@ -143,9 +143,9 @@ def _copies_in_bucket(path: Path) -> Iterator[tuple[int, int, int, str]]:
             first = (key, shard)
 
 
-def find_copies(shards: list[Path], scratch: Path) -> Copies:
+def find_copies(shards: list[ShardRef], scratch: Path) -> Copies:
     """The copies among `shards` (in the order they will be read), from their ids alone."""
-    finder = CopyFinder(scratch, len(shards), sum(path.stat().st_size for path in shards))
+    finder = CopyFinder(scratch, len(shards), sum(shard.size() for shard in shards))
     for number, path in enumerate(shards):
         for row, found in enumerate(iter_job_ids(path)):
             if found is not None:

@@ -1,7 +1,8 @@
 """Reading a tokenize stage's output: stats and verification (export: export.py).
 
 Each function takes a job folder (`DIR/JOB`, holding shards and `manifest.jsonl`) or a
-folder of job folders (`DIR`), and reads them through the shard module (shard_files).
+folder of job folders (`DIR`), local or in a bucket, and reads them through JobFolder
+(job_folder.py) and the shard module (shard_files).
 Records are streamed, so memory stays flat however large the job; verify spills the
 records' ids to find copies (shard_copies), rather than hold them.
 """
@@ -26,12 +27,11 @@ from regen.common.record import (
 from regen.consumers.tokenize.operator_view import (
     MANIFEST,
     READ_ERRORS,
+    JobFolder,
     ShardInfo,
-    is_job_folder,
+    ShardRef,
     iter_records,
-    read_manifest,
-    shard_paths,
-    temp_files,
+    job_folders,
 )
 from regen.ops.shard_copies import CopyFinder, record_key
 
@@ -40,16 +40,9 @@ MAX_RECORD_PROBLEMS = 10
 _HASH_BLOCK = 1 << 20
 
 
-def job_folders(folder: Path) -> list[Path]:
-    """The job folders at `folder`: itself when it is one, else its sub-folders that are."""
-    if is_job_folder(folder):
-        return [folder]
-    return sorted(p for p in folder.iterdir() if p.is_dir() and is_job_folder(p))
-
-
-def job_records(job: Path) -> Iterator[dict[str, Any]]:
+def job_records(job: JobFolder) -> Iterator[dict[str, Any]]:
     """Every record of a job folder, shard by shard in name order."""
-    for shard in shard_paths(job):
+    for shard in job.shards():
         yield from iter_records(shard)
 
 
@@ -89,25 +82,24 @@ class JobStats:
         }  # fmt: skip
 
 
-def stats(folder: Path) -> list[JobStats]:
+def stats(folder: Path | str) -> list[JobStats]:
     """Per job: totals from the manifest, finish reasons, drift and lengths from a pass
     over the records of the shards the manifest lists."""
     return [_job_stats(job) for job in job_folders(folder)]
 
 
-def _job_stats(job: Path) -> JobStats:
+def _job_stats(job: JobFolder) -> JobStats:
     out = JobStats(job=job.name)
-    for info in read_manifest(job).shards.values():
+    for info in job.manifest().shards.values():
         out.shards += 1
         out.bytes += info.compressed_bytes
         out.uncompressed_bytes += info.uncompressed_bytes
         out.rows += info.rows
         out.prompt_tokens += info.prompt_tokens
         out.completion_tokens += info.completion_tokens
-        path = job / info.shard
-        if not path.exists():
+        if not job.has(info.shard):
             continue  # verify's business; the totals still say what was committed
-        for record in iter_records(path):
+        for record in iter_records(ShardRef(job, info.shard)):
             out.finish_reasons[record["finish_reason"]] += 1
             n = record["completion_tokens"]
             out.completion_histogram[1 << (n.bit_length() - 1) if n else 0] += 1
@@ -134,7 +126,7 @@ class Problem:
         return f"warning: {text}" if self.warning else text
 
 
-def verify(folder: Path) -> list[Problem]:
+def verify(folder: Path | str) -> list[Problem]:
     """Everything wrong with the shards at `folder`; an empty list means all is well.
 
     A record found again (its job and id) in a later shard, or later in the same one,
@@ -144,29 +136,30 @@ def verify(folder: Path) -> list[Problem]:
     """
     jobs = job_folders(folder)
     if not jobs:
-        return [Problem(folder.name, ".", "no_jobs", f"no job folders (no {MANIFEST}) in {folder}")]
-    shards = [path for job in jobs for path in shard_paths(job)]
+        name = str(folder).rstrip("/").rsplit("/", 1)[-1]
+        return [Problem(name, ".", "no_jobs", f"no job folders (no {MANIFEST}) in {folder}")]
+    shards = [shard for job in jobs for shard in job.shards()]
     with tempfile.TemporaryDirectory(prefix="regen-verify-") as scratch:
-        finder = CopyFinder(Path(scratch), len(shards), sum(p.stat().st_size for p in shards))
+        finder = CopyFinder(Path(scratch), len(shards), sum(s.size() for s in shards))
         numbers = {path: number for number, path in enumerate(shards)}
         problems = [problem for job in jobs for problem in _verify_job(job, finder, numbers)]
         copies = finder.finish()
     for pair in copies.pairs:
         first, copy = shards[pair.first], shards[pair.copy]
         ids = "1 id" if pair.count == 1 else f"{pair.count:,} ids"
-        problems.append(Problem(copy.parent.name, copy.name, "duplicate_id",
-                                f"{ids} also in {first.parent.name}/{first.name} "
+        problems.append(Problem(copy.folder.name, copy.name, "duplicate_id",
+                                f"{ids} also in {first.folder.name}/{first.name} "
                                 f"(e.g. {pair.example})"))  # fmt: skip
     return problems
 
 
-def _verify_job(job: Path, finder: CopyFinder, numbers: dict[Path, int]) -> list[Problem]:
+def _verify_job(job: JobFolder, finder: CopyFinder, numbers: dict[ShardRef, int]) -> list[Problem]:
     problems: list[Problem] = []
 
     def report(path: str, kind: str, message: str, warning: bool = False) -> None:
         problems.append(Problem(job.name, path, kind, message, warning))
 
-    manifest_file = read_manifest(job)
+    manifest_file = job.manifest()
     manifest = manifest_file.shards
     for _, why in manifest_file.bad:
         report(MANIFEST, "manifest_line", why)
@@ -175,20 +168,20 @@ def _verify_job(job: Path, finder: CopyFinder, numbers: dict[Path, int]) -> list
         # rebuilds it) or reported unlisted below; the next append cuts a last one off.
         why = f"line {line}: torn by a crash mid-append; ignored"
         report(MANIFEST, "torn_manifest_line", why, warning=True)
-    on_disk = {p.name for p in shard_paths(job)}
+    on_disk = set(job.shard_names())
     for name in sorted(manifest.keys() - on_disk):
         report(name, "missing_shard", "listed in the manifest, not on disk")
     for name in sorted(on_disk - manifest.keys()):
         report(name, "unlisted_shard", "on disk, not in the manifest")
-    for tmp in temp_files(job):
+    for tmp in job.leftovers():
         report(
-            tmp.name,
+            tmp,
             "leftover_tmp",
             "temporary file: a shard still being written, or left by a crash",
         )
 
     for name in sorted(on_disk):
-        path = job / name
+        path = ShardRef(job, name)
         info = manifest.get(name)
         if info is not None:
             for kind, message in _check_file(path, info):
@@ -202,12 +195,12 @@ def _verify_job(job: Path, finder: CopyFinder, numbers: dict[Path, int]) -> list
     return problems
 
 
-def _check_file(path: Path, info: ShardInfo) -> Iterator[tuple[str, str]]:
-    size = path.stat().st_size
+def _check_file(path: ShardRef, info: ShardInfo) -> Iterator[tuple[str, str]]:
+    size = path.size()
     if size != info.compressed_bytes:
         yield "size", f"{size} bytes on disk, manifest says {info.compressed_bytes}"
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with path.open() as fh:
         while block := fh.read(_HASH_BLOCK):
             digest.update(block)
     if digest.hexdigest() != info.sha256:
@@ -215,7 +208,7 @@ def _check_file(path: Path, info: ShardInfo) -> Iterator[tuple[str, str]]:
 
 
 def _check_records(
-    path: Path, info: ShardInfo | None, seen: Callable[[int, str, str], None]
+    path: ShardRef, info: ShardInfo | None, seen: Callable[[int, str, str], None]
 ) -> Iterator[tuple[str, str]]:
     """Problems of the records of one shard; `seen(row, job, id)` is told each record's
     job and id, for the search for copies."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,7 +16,13 @@ import redis
 
 from regen.common import defaults, jobspec, keys, provenance, settings, tokenizer_refusals
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.operator_view import CommitLedger, Sample, behind_message
+from regen.consumers.tokenize.operator_view import (
+    CommitLedger,
+    LocalFolder,
+    Sample,
+    behind_message,
+    folder_at,
+)
 from regen.ops import accounting
 
 
@@ -62,10 +67,14 @@ def _behind_disk(
     for worker in workers:
         if job in (worker.get("behind") or {}):
             return f"tokenize worker {worker['name']}: {worker['behind'][job]}"
-    folder = output.get("dir")
-    if output.get("host") != os.uname().nodename or not folder or not os.path.isdir(folder):
+    where = output.get("dir")
+    if not where:
         return None
-    return behind_message(ledger, job, Path(folder))
+    folder = folder_at(where)
+    on_this_host = output.get("host") == os.uname().nodename
+    if isinstance(folder, LocalFolder) and not (on_this_host and folder.readable_here()):
+        return None
+    return behind_message(ledger, job, folder)
 
 
 def job_status(
