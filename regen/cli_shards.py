@@ -1,6 +1,7 @@
 """`regen shards stats|verify|export`: read what the tokenize stage wrote.
 
-DIR is a job folder (`OUT/JOB`, with `manifest.jsonl`) or a folder of job folders.
+DIR is a job folder (`OUT/JOB`, with `manifest.jsonl`) or a folder of job folders, on
+local disk or in a bucket (`s3://bucket/prefix`, `gs://`, `az://`).
 These commands read shards, no tokenizer; `verify` also compares them with Redis when it
 can reach it.
 """
@@ -16,9 +17,9 @@ import orjson
 from regen.common import extras
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS, FLAGS
 from regen.consumers.tokenize.operator_view import READ_ERRORS
-from regen.options import redis_url_option
+from regen.options import ShardsLocation, redis_url_option
 
-_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+_DIR = ShardsLocation(exists=True)
 # What reading a damaged shard raises; verify says what is wrong with it.
 # A shard that does not decompress or parse, or a record missing a field.
 _UNREADABLE = (*READ_ERRORS, KeyError, TypeError)
@@ -34,7 +35,7 @@ def shards_group() -> None:
 @shards_group.command()
 @click.argument("directory", type=_DIR)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per job.")
-def stats(directory: Path, as_json: bool) -> None:
+def stats(directory: Path | str, as_json: bool) -> None:
     """Rows, tokens, finish reasons, drift and completion lengths per job."""
     from regen.ops.shards_inspect import stats as job_stats
 
@@ -66,7 +67,7 @@ def stats(directory: Path, as_json: bool) -> None:
 @click.argument("directory", type=_DIR)
 @click.option("--no-redis", is_flag=True, help="Check the files alone.")
 @redis_url_option
-def verify(directory: Path, no_redis: bool, redis_url: str | None) -> None:
+def verify(directory: Path | str, no_redis: bool, redis_url: str | None) -> None:
     """Check checksums, sizes, the manifest, every record's schema, masks and counts,
     and that no record (job and id) is in two shards or twice in one, across every job
     folder of DIRECTORY; with Redis reachable (--redis-url, or the
@@ -116,7 +117,7 @@ def _reachable_redis(redis_url: str | None, without: str) -> tuple[Any, str] | N
     return r, url
 
 
-def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
+def _against_redis(directory: Path | str, redis_url: str | None) -> list[Any]:
     """Problems of the job folders against the ledgers of a reachable Redis."""
     from regen.common import connection, jobspec
     from regen.consumers.tokenize.operator_view import CommitLedger
@@ -214,7 +215,7 @@ def _against_redis(directory: Path, redis_url: str | None) -> list[Any]:
 @click.option("--no-redis", is_flag=True, help="Read the files alone (no dead-letter counts).")
 @redis_url_option
 def export(
-    directory: Path,
+    directory: Path | str,
     fmt: str,
     out: Path,
     jobs: str,

@@ -240,11 +240,12 @@ class ShardsLocation(click.ParamType):
 
     name = "PATH|URL"
 
+    def __init__(self, exists: bool = False) -> None:
+        self.exists = exists  # a local path must be an existing folder
+
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> Path | str:
-        if isinstance(value, Path):
-            return value
         text = str(value)
         if is_bucket_url(text):
             return text
@@ -255,4 +256,7 @@ class ShardsLocation(click.ParamType):
                 param,
                 ctx,
             )
-        return Path(text)
+        path = Path(text)
+        if self.exists and not path.is_dir():
+            self.fail(f"{text}: no such folder", param, ctx)
+        return path

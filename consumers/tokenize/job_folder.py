@@ -231,6 +231,7 @@ class BucketJobFolder:
         self.bucket.put_manifest_line(info.shard, info.to_json())
 
     def write_provenance(self, made_by: dict[str, Any]) -> None:
+        self.spool.mkdir(parents=True, exist_ok=True)
         staging = self.spool / f".{provenance.PROVENANCE_FILE}.upload"
         staging.write_bytes(orjson.dumps(made_by, option=orjson.OPT_INDENT_2))
         try:
@@ -276,7 +277,10 @@ def folder_at(where: str | Path) -> JobFolder:
     """The job folder at `where` itself (OUT/JOB): a local path, or a bucket URL."""
     if is_bucket(where):
         url = str(where).rstrip("/")
-        return BucketJobFolder(BucketFolder(url), local_root(url))
+        parent, _, job = url.rpartition("/")
+        if is_bucket(parent) and parent.split("://", 1)[1]:
+            return job_folder(parent, job)  # the spool a writer of this job uses
+        return BucketJobFolder(BucketFolder(url), local_root(url))  # a bucket's root
     return LocalFolder(Path(where))
 
 
