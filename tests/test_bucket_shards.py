@@ -20,10 +20,12 @@ from click.testing import CliRunner
 from regen.cli import main
 from regen.common import jobspec, keys
 from regen.consumers.tokenize.job_folder import BucketJobFolder, folder_at
+from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.shard_files import iter_records
 from regen.producer.job_ids import JobIds
-from tests.helpers import make_result, wait_for
+from tests.helpers import committed_count, make_result, wait_for
 from tests.s3_server import S3Server, s3_server
+from tests.test_redis_restore import dump_all, restore_all
 from tests.test_tokenize_stage import (
     HEARTBEAT_STALE_S,
     REPO,
@@ -167,3 +169,32 @@ def test_a_tokenizer_killed_mid_commit_to_a_bucket_loses_and_duplicates_nothing(
     assert sorted(bucket_ids(out)) == sorted(result.id for result in results)
     files = regen(redis_url, "shards", "verify", out)
     assert files.exit_code == 0, files.output
+
+
+def test_a_rolled_back_redis_is_healed_from_the_bucket_and_nothing_is_overwritten(
+    redis_url: str, r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: str
+) -> None:
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(16)]
+    JobIds(r, JOB).add([result.id for result in results])
+    first = options(out, policy=ShardPolicy(max_rows=4, max_age_s=30, idle_s=0.3))
+    with InProcess(r, first, "c1"):  # type: ignore[arg-type]
+        push(r, results[:4])
+        wait_for(lambda: r.hlen(keys.shards(JOB)) == 1, what="a first shard")
+        copy = dump_all(r)  # a backup, or a replica that lagged
+        push(r, results[4:12])
+        wait_for(lambda: settled(r, JOB, 12), what="three shards committed")
+    folder = folder_at(f"{out}/{JOB}")
+    before = {shard.name: shard.size() for shard in folder.shards()}
+    assert len(before) == 3
+    restore_all(r, copy)  # Redis knows one shard of the three in the bucket
+
+    with InProcess(r, first, "c2"):  # type: ignore[arg-type]
+        wait_for(lambda: committed_count(r, JOB) == 12, what="the ledger rebuilt from the bucket")
+        push(r, results[12:])  # new work after the rollback: a new shard number
+        wait_for(lambda: settled(r, JOB, 16), what="the new results committed")
+    after = {shard.name: shard.size() for shard in folder.shards()}
+    assert {name: after[name] for name in before} == before, "a committed object was replaced"
+    assert len(after) == 4
+    assert sorted(bucket_ids(out)) == sorted(result.id for result in results)
+    verified = regen(redis_url, "verify", "--job", JOB)
+    assert verified.exit_code == 0, verified.output
