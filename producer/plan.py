@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from regen.common import defaults
+from regen.common.bucket_folder import is_bucket_url
 from regen.common.jobspec import TURNS_ALL
 from regen.producer.prompt_scan import PromptScan, percentile, scan_prompts
 from regen.producer.record_size import RecordModelError, RecordSizeModel, measure
@@ -63,16 +64,19 @@ class Estimate:
         return round(self.prompts * self.bytes_per_record)
 
 
-def free_space(out: Path) -> tuple[Path, int]:
-    """The folder measured and the free bytes on the filesystem `out` is (or will be) on.
+def free_space(out: Path | str) -> tuple[str, int | None]:
+    """Where was measured, and the free bytes on the filesystem `out` is (or will be)
+    on; None for object storage, which has no free space to read.
 
     `out` may not exist yet: the nearest existing folder above it is on the same
     filesystem unless a mount point is created in between, which regen never does.
     """
-    probe = out.expanduser().absolute()
+    if isinstance(out, str) and is_bucket_url(out):
+        return out, None
+    probe = Path(out).expanduser().absolute()
     while not probe.exists():
         probe = probe.parent
-    return probe, shutil.disk_usage(probe).free
+    return str(probe), shutil.disk_usage(probe).free
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,16 @@ class Plan:
     tokens_per_s_assumed: bool  # the default rate, not the user's
     estimate: Estimate
     record_model: RecordSizeModel | None
-    out: Path  # the existing folder whose filesystem was measured
-    free_bytes: int
+    out: str  # the existing folder whose filesystem was measured, or the bucket URL
+    free_bytes: int | None  # None: object storage, not measured
     warnings: list[str]
 
     @property
     def fits(self) -> bool | None:
         disk = self.estimate.disk_bytes
-        return None if disk is None else disk <= self.free_bytes
+        if disk is None or self.free_bytes is None:
+            return None
+        return disk <= self.free_bytes
 
     def prompt_token_stats(self) -> dict[str, float]:
         lengths = sorted(self.scan.accepted_lengths)
@@ -181,10 +187,15 @@ class Plan:
             f"tokens in records  {est.total_tokens:,}",
             f"generation         {human_duration(est.seconds)} at {rate} x {servers}",
             f"shards on disk     {self._disk_text()}",
-            f"free space         {human_bytes(self.free_bytes)} at {self.out}",
+            f"free space         {self._free_text()}",
         ]
         lines += [f"WARNING: {warning}" for warning in self.warnings]
         return "\n".join(lines)
+
+    def _free_text(self) -> str:
+        if self.free_bytes is None:
+            return f"not checked: {self.out} is object storage (no free space to read)"
+        return f"{human_bytes(self.free_bytes)} at {self.out}"
 
     def _turns_text(self) -> str:
         samples = self.job.spec.samples
@@ -215,7 +226,7 @@ def build_plan(
     paths: Sequence[Path],
     job: PreparedJob,
     *,
-    out: Path,
+    out: Path | str,
     tokens_per_s: float | None = None,
     servers: int = defaults.PLAN_SERVERS,
     mean_output_tokens: float | None = None,
@@ -256,7 +267,7 @@ def build_plan(
         bytes_per_record=bytes_per_record,
     )
     probe, free = free_space(out)
-    if est.disk_bytes is not None and est.disk_bytes > free:
+    if est.disk_bytes is not None and free is not None and est.disk_bytes > free:
         warnings.append(
             f"the shards need about {human_bytes(est.disk_bytes)} but {probe} has only "
             f"{human_bytes(free)} free"

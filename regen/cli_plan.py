@@ -9,6 +9,7 @@ import click
 
 from regen.common import defaults
 from regen.options import (
+    ShardsLocation,
     int_option,
     job_options,
     prepare_job_or_fail,
@@ -53,10 +54,10 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.
 @tunable("--seed", type=int, default=defaults.PLAN_SEED, help="Seed of the sample.")
 @tunable(
     "--out",
-    type=click.Path(path_type=Path),
+    type=ShardsLocation(),
     default=defaults.OUT_DIR,
     envvar="REGEN_OUT",
-    help="Where the shards will go: its free space is checked.",
+    help="Where the shards will go: its free space is checked (not for object storage).",
 )
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a warning (e.g. no room).")
 @_json_option
@@ -68,7 +69,7 @@ def plan(
     servers: int,
     sample: int | None,
     seed: int,
-    out: Path,
+    out: Path | str,
     strict: bool,
     as_json: bool,
 ) -> None:

@@ -223,6 +223,19 @@ def test_plan_warns_when_the_shards_will_not_fit(tmp_path: Path) -> None:
     assert report["disk"]["bytes"] > report["disk"]["free_bytes"]
 
 
+def test_plan_to_object_storage_says_it_checks_no_free_space(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", user_rows(3))
+    args = [str(data), "--model", "smollm2", "--max-new-tokens", "64",
+            "--mean-output-tokens", "1e15", "--out", "s3://bucket/runs"]  # fmt: skip
+    result = run(plan, *args)  # petabytes, but no disk to run out of
+    assert result.exit_code == 0, result.output
+    assert "WARNING: the shards need" not in result.output
+    assert "not checked: s3://bucket/runs is object storage" in result.output
+    report = orjson.loads(run(plan, *args, "--json").output)
+    assert report["disk"]["free_bytes"] is None and report["disk"]["fits"] is None
+    assert report["disk"]["out"] == "s3://bucket/runs"
+
+
 def test_plan_strict_passes_a_plan_that_fits(tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", user_rows(3))
     result = run(plan, str(data), "--model", "smollm2", "--max-new-tokens", "64",
