@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets
 import orjson
 import pytest
 import redis
@@ -106,6 +107,11 @@ def test_shards_land_in_the_bucket_once_and_every_reader_reads_them(
                                        "--out", str(exported)])  # fmt: skip
     assert export.exit_code == 0, export.output
     assert len(exported.read_bytes().splitlines()) == 60
+    hf = CliRunner().invoke(main, ["shards", "export", out, "--format", "hf", "--out",
+                                   str(tmp_path / "ds")])  # fmt: skip
+    assert hf.exit_code == 0, hf.output
+    dataset = datasets.load_from_disk(str(tmp_path / "ds"))  # as a trainer loads it
+    assert sorted(dataset["id"]) == sorted(result.id for result in results)
 
 
 def test_provenance_is_written_once_beside_the_shards(out: str) -> None:
