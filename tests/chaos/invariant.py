@@ -14,8 +14,9 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from regen.consumers.tokenize.job_folder import JobFolder
 
 Record = dict[str, Any]
 
@@ -60,27 +61,29 @@ class ShardWatch:
     """The digest of every shard file the first time it is seen; a committed shard never
     changes, so any later difference (or a vanished file) is a violation."""
 
-    def __init__(self, folder: Path, list_shards: Callable[[Path], list[Path]]) -> None:
+    def __init__(self, folder: JobFolder) -> None:
         self.folder = folder
-        self._list = list_shards
         self.digests: dict[str, str] = {}
         self.problems: list[str] = []
 
     def look(self) -> None:
-        if not self.folder.is_dir():
+        if not self.folder.readable_here():
             return
-        for path in self._list(self.folder):
+        for path in self.folder.shards():
             try:
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                digest = hashlib.sha256()
+                with path.open() as fh:
+                    while block := fh.read(1 << 20):
+                        digest.update(block)
             except FileNotFoundError:
                 continue  # looked at as it went; the next look sees whether it is gone
-            seen = self.digests.setdefault(path.name, digest)
-            if seen != digest and not any(path.name in p for p in self.problems):
+            seen = self.digests.setdefault(path.name, digest.hexdigest())
+            if seen != digest.hexdigest() and not any(path.name in p for p in self.problems):
                 self.problems.append(f"shard {path.name} changed after it was committed")
 
     def final(self) -> list[str]:
         self.look()
-        present = {path.name for path in self._list(self.folder)} if self.folder.is_dir() else set()
+        present = set(self.folder.shard_names()) if self.folder.readable_here() else set()
         gone = [f"shard {name} vanished" for name in sorted(set(self.digests) - present)]
         return [*self.problems, *gone]
 

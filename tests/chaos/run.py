@@ -31,7 +31,8 @@ from regen.common.quality_flags import DEFAULT_DROP_FLAGS
 from regen.common.queues import queue_lists
 from regen.common.samples import sample_id
 from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.shard_files import iter_records, shard_paths
+from regen.consumers.tokenize.job_folder import job_folder
+from regen.consumers.tokenize.shard_files import iter_records
 from regen.producer.conversations import job_prompt
 from tests.chaos.cluster import CHUNK_LEASE_S, SHARD_LEASE_S, Redis, SentinelRedis, Workers
 from tests.chaos.invariant import (
@@ -43,6 +44,7 @@ from tests.chaos.invariant import (
 )
 from tests.chaos.scenario import EXPORT_CRASHPOINT, Fault, Scenario
 from tests.generate_harness import REPO
+from tests.s3_server import S3Server, s3_server
 from tests.sentinel_cluster import MASTER as SENTINEL_MASTER
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import LengthDist
@@ -89,6 +91,7 @@ class Environment:
     tokenizer: Any
     standin: StandinHandle
     completer: Completer
+    s3: S3Server  # the buckets of the seeds whose shards go to object storage
 
 
 @contextlib.contextmanager
@@ -119,8 +122,11 @@ def environment(mode: str, work: Path) -> Iterator[Environment]:
         seed=STANDIN_SEED,
         suffix=suffix,
     )
-    with run_standin(**options) as standin:
-        yield Environment(mode, model_dir, tokenizer, standin, completer)
+    with run_standin(**options) as standin, s3_server() as s3:
+        # This process reads the buckets too (checks, verify, exports): the same variables
+        # its workers get.
+        os.environ.update(s3.env)
+        yield Environment(mode, model_dir, tokenizer, standin, completer, s3)
 
 
 def dataset_rows(scenario: Scenario) -> list[dict[str, Any]]:
@@ -226,8 +232,13 @@ class Run:
         self.env = env
         self.scenario = scenario
         self.work = work
-        self.out = work / "out"
-        self.folder = self.out / JOB
+        # A local folder, or (scenario.bucket) a fresh bucket on the environment's S3 server.
+        self.out: Path | str = work / "out"
+        store_env: dict[str, str] = {}
+        if scenario.bucket:
+            self.out = f"s3://{env.s3.new_bucket()}/out"
+            store_env = {**env.s3.env, "REGEN_SPOOL_DIR": str(work / "spool")}
+        self.folder = job_folder(self.out, JOB)
         self.outcome = Outcome(scenario.seed, scenario.mode)
         self.dataset = work / "rows.jsonl"
         self.dataset.write_bytes(
@@ -237,8 +248,8 @@ class Run:
             SentinelRedis(work / "redis") if scenario.sentinel else Redis(work / "redis")
         )
         self.r = self.redis.client
-        self.workers = Workers(self.redis.url, work, self.redis.env)
-        self.watch = ShardWatch(self.folder, shard_paths)
+        self.workers = Workers(self.redis.url, work, {**self.redis.env, **store_env})
+        self.watch = ShardWatch(self.folder)
         self.copy: dict[bytes, tuple[bytes, int]] | None = None
 
     # --- the job ---------------------------------------------------------------------
@@ -457,7 +468,7 @@ class Run:
     def check(self, spec: jobspec.JobSpec, expected: set[str]) -> None:
         v = self.outcome.violations
         found = Found()
-        for path in shard_paths(self.folder) if self.folder.is_dir() else []:
+        for path in self.folder.shards() if self.folder.readable_here() else []:
             found.records[path.name] = list(iter_records(path))
         for stage in keys.STAGES:
             found.dead[stage] = {

@@ -47,6 +47,9 @@ LATER_FAULTS = {
     "sentinel_failover": 0.2,
 }
 KOMBU_WINDOW_BEFORE_S = 2.0
+# The chance that a seed's shards go to a bucket (moto's S3 server) instead of a local
+# folder, from its own stream `Random(f"{mode}:{seed}:store")`: earlier draws unchanged.
+BUCKET_CHANCE = 0.25
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Scenario:
     samples: int = 1  # answers a prompt (`--samples`)
     oversized_row: bool = False  # a row over --max-row-bytes: refused into the input DLQ
     sentinel: bool = False  # Redis is a primary, a replica and three sentinels
+    bucket: bool = False  # the shards go to object storage (`--out s3://...`)
 
     def describe(self) -> str:
         faults = ", ".join(
@@ -87,6 +91,7 @@ class Scenario:
             f"{f'; {self.samples} samples a prompt' if self.samples > 1 else ''}"
             f"{'; one row too large' if self.oversized_row else ''}"
             f"{'; on Redis Sentinel' if self.sentinel else ''}"
+            f"{'; shards to a bucket' if self.bucket else ''}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,4 +152,5 @@ def draw(seed: int, mode: str) -> Scenario:
         samples=rng.choice((1, 1, 1, 2)),
         oversized_row=rng.random() < 0.2,
         sentinel=any(f.kind == "sentinel_failover" for f in faults),
+        bucket=random.Random(f"{mode}:{seed}:store").random() < BUCKET_CHANCE,
     )

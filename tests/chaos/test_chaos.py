@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from regen.consumers.tokenize.job_folder import LocalFolder
 from tests.chaos.invariant import (
     Found,
     ShardWatch,
@@ -61,6 +62,10 @@ def test_the_ci_seeds_cover_every_fault_and_crash_point(mode: str) -> None:
     assert covered == wanted
 
 
+def test_some_ci_seeds_write_their_shards_to_a_bucket() -> None:
+    assert any(draw(seed, mode).bucket for mode, seeds in CI_SEEDS.items() for seed in seeds)
+
+
 def test_placement_finds_lost_doubled_and_foreign_ids() -> None:
     found = Found(
         records={"a.zst": [{"id": "p1"}, {"id": "p2"}], "b.zst": [{"id": "p2"}, {"id": "x"}]},
@@ -79,17 +84,18 @@ def test_placement_finds_lost_doubled_and_foreign_ids() -> None:
 
 
 def test_shard_watch_finds_a_changed_or_vanished_shard(tmp_path: Path) -> None:
-    def shards(folder: Path) -> list[Path]:
-        return sorted(folder.glob("*.zst"))
-
-    (tmp_path / "s1.zst").write_bytes(b"one")
-    (tmp_path / "s2.zst").write_bytes(b"two")
-    watch = ShardWatch(tmp_path, shards)
+    s1, s2 = tmp_path / "shard-000001.jsonl.zst", tmp_path / "shard-000002.jsonl.zst"
+    s1.write_bytes(b"one")
+    s2.write_bytes(b"two")
+    watch = ShardWatch(LocalFolder(tmp_path))
     watch.look()
     assert watch.final() == []
-    (tmp_path / "s1.zst").write_bytes(b"ONE")
-    (tmp_path / "s2.zst").unlink()
-    assert watch.final() == ["shard s1.zst changed after it was committed", "shard s2.zst vanished"]
+    s1.write_bytes(b"ONE")
+    s2.unlink()
+    assert watch.final() == [
+        f"shard {s1.name} changed after it was committed",
+        f"shard {s2.name} vanished",
+    ]
 
 
 def test_token_check_finds_a_prompt_an_answer_or_a_mask_that_is_off() -> None:
