@@ -135,9 +135,13 @@ def test_a_bucket_that_refuses_writes_is_one_line_at_start(
     assert s3.env["AWS_SECRET_ACCESS_KEY"] not in result.output
 
 
-def _worker(redis_url: str, out: str, crashpoint: str | None = None) -> subprocess.Popen[bytes]:
+def _worker(
+    redis_url: str, out: str, crashpoint: str | None = None, spool: Path | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_SHARD_LEASE_S": str(SHARD_LEASE_S),
            "REGEN_HEARTBEAT_STALE_S": str(HEARTBEAT_STALE_S)}  # fmt: skip
+    if spool is not None:
+        env["REGEN_SPOOL_DIR"] = str(spool)
     env.pop("REGEN_CRASHPOINT", None)
     if crashpoint:
         env["REGEN_CRASHPOINT"] = crashpoint
@@ -204,3 +208,30 @@ def test_a_rolled_back_redis_is_healed_from_the_bucket_and_nothing_is_overwritte
     assert sorted(bucket_ids(out)) == sorted(result.id for result in results)
     verified = regen(redis_url, "verify", "--job", JOB)
     assert verified.exit_code == 0, verified.output
+
+
+@pytest.mark.slow
+def test_workers_with_spools_of_their_own_share_a_bucket_each_record_once(
+    redis_url: str, r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any,
+    out: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Three tokenize workers as on three hosts (a spool each; nothing shared but Redis
+    and the bucket), with duplicates racing between them."""
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(150)]
+    workers = [_worker(redis_url, out, spool=tmp_path / f"host-{i}") for i in range(3)]
+    try:
+        for start in range(0, 150, 15):
+            push(r, results[start : start + 15])
+            push(r, results[start : start + 5])
+        wait_for(lambda: settled(r, JOB, 150), timeout=180, what="the workers done")
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+                worker.wait(timeout=60)
+    ids = bucket_ids(out)
+    assert len(ids) == len(set(ids)) == 150
+    opened = [host.name for host in sorted(tmp_path.glob("host-*")) if any(host.rglob(JOB))]
+    assert opened == ["host-0", "host-1", "host-2"], "a worker never took the job up"
+    files = regen(redis_url, "shards", "verify", out)
+    assert files.exit_code == 0, files.output
