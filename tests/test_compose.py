@@ -149,9 +149,21 @@ def test_compose_runs_the_whole_pipeline() -> None:
     assert argv["producer"][1] == "enqueue"
     assert SERVICES["producer"]["profiles"] == ["enqueue"]
     assert SERVICES["producer"]["restart"] == "no"
-    # The tokenize worker's shards outlive its container.
+    # The tokenize worker's shards outlive its container: its --out (unless SHARDS_OUT
+    # names a bucket) and its spool for a bucket's open shards are on the shards volume.
     out = options_of(argv["tokenize"])["--out"]
-    assert any(v.split(":")[:2] == ["shards", out] for v in SERVICES["tokenize"]["volumes"])
+    default = re.fullmatch(r"\$\{SHARDS_OUT:-(/[^}]*)\}", out)
+    assert default, out
+    default_out = default.group(1)
+    tokenize_env = SERVICES["tokenize"]["environment"]
+    for folder in (default_out, tokenize_env["REGEN_SPOOL_DIR"]):
+        assert any(
+            folder.startswith(volume.split(":")[1]) and volume.startswith("shards:")
+            for volume in SERVICES["tokenize"]["volumes"]
+        ), folder
+    # Bucket credentials are passed through from the host, never written here.
+    aws = {name: value for name, value in tokenize_env.items() if name.startswith("AWS_")}
+    assert aws and set(aws.values()) == {None}
     assert "shards" in COMPOSE["volumes"]
 
 
