@@ -1,7 +1,8 @@
 """A small SGLang server stand-in for tests and benchmarks (docs/design.md, SGLang contract).
 
 It keeps SGLang 0.5's HTTP contract (`/generate` with `input_ids`, `/health`,
-`/health_generate`, `/model_info`, `/server_info`, `/metrics`), answers with real tokens
+`/health_generate`, `/model_info`, `/server_info`, `/metrics`, and the OpenAI
+`/v1/chat/completions` without streaming, chat.py), answers with real tokens
 of a real tokenizer, bounds concurrency like SGLang's scheduler, reports
 `meta_info.cached_tokens` from a bounded prefix cache of its own (prefix_cache.py), and
 can be told to fail through `POST /_fault`. `GET /_stats` gives the counters a benchmark

@@ -52,8 +52,9 @@ class Scheduler:
         self.served: deque[dict[str, Any]] = deque(maxlen=SERVED_KEPT)
         # Slot accounting a bench reads back (slot model): each request's time on a slot
         # ({rid, prompt, start, end, outcome}: end None while it runs; outcome "completed" or
-        # "aborted", the client gone), and the busy time of work thrown away: answers
-        # aborted mid-way and answers to a prompt already answered (a redo).
+        # "aborted", the client gone; a completed one adds its output `tokens`), and the
+        # busy time of work thrown away: answers aborted mid-way and answers to a prompt
+        # already answered (a redo).
         self.slot_log: deque[dict[str, Any]] = deque(maxlen=SLOT_LOG_KEPT)
         self.aborted_busy_s = 0.0
         self.repeated_busy_s = 0.0
@@ -141,6 +142,7 @@ class Scheduler:
         finally:
             self.slots.release()
         self._account(entry, item, aborted=False)
+        entry["tokens"] = len(done.output_ids)
         return self._reply(item, done, started, cached)
 
     def _account(self, entry: dict[str, Any], item: Item, *, aborted: bool) -> None:

@@ -1,4 +1,5 @@
-"""The stand-in's HTTP surface: SGLang's /generate contract plus test-only control routes.
+"""The stand-in's HTTP surface: SGLang's /generate contract, its OpenAI chat route
+(chat.py), plus test-only control routes.
 
 Error bodies copy SGLang 0.5's shapes: a ValueError from request validation becomes
 HTTP 400 `{"error": {"message": ...}}`; a scheduler abort with a status (the full
@@ -17,12 +18,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tests.sglang_standin.chat import chat_error, chat_response, parse_chat
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import StandinConfig, parse_fault
 from tests.sglang_standin.metrics import metrics_registry, render
 from tests.sglang_standin.scheduler import Scheduler
 from tests.sglang_standin.slots import QueueFull
-from tests.sglang_standin.validate import RequestError, parse_generate
+from tests.sglang_standin.validate import Item, RequestError, parse_generate
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -49,6 +51,7 @@ class Standin(Scheduler):
         )
         for method in ("POST", "PUT"):  # as SGLang's route
             app.router.add_route(method, "/generate", self.generate)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         for path in ("/health", "/health_generate"):
             app.router.add_get(path, self.health)
         app.router.add_get("/model_info", self.model_info)
@@ -75,11 +78,19 @@ class Standin(Scheduler):
 
     # --- SGLang routes -------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted(request, self._generate)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted(request, self._chat)
+
+    async def _counted(
+        self, request: web.Request, handle: Callable[[web.Request], Awaitable[web.Response | None]]
+    ) -> web.StreamResponse:
         self.counters["requests_total"] += 1
         self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight)
         try:
-            response = await self._generate(request)
+            response = await handle(request)
         finally:
             self.inflight -= 1
         if response is None:  # dropped: the client got no status at all
@@ -87,28 +98,64 @@ class Standin(Scheduler):
         self.counters[f"status_{response.status}"] += 1
         return response
 
+    def _injected(self, request: web.Request) -> tuple[bool, web.Response | None, float]:
+        """The next armed fault on this request: (answered, its response or None when the
+        connection was dropped, extra seconds on the slot)."""
+        fault = self.take_fault()
+        if fault is None:
+            return False, None, 0.0
+        kind, _, delay_s = fault
+        if kind == "drop":
+            # Close the socket with no response, as a crashed or OOM-killed server does.
+            assert request.transport is not None
+            request.transport.abort()
+            return True, None, 0.0
+        if kind == "500":
+            return True, web.Response(status=500, text="Internal Server Error"), 0.0
+        if kind == "503":
+            return True, self._overloaded("Injected fault: service unavailable."), 0.0
+        if kind == "malformed":  # a 200 a client cannot use (no output_ids)
+            return True, _json({"text": "", "meta_info": {"id": "malformed"}}), 0.0
+        return False, None, delay_s
+
     async def _generate(self, request: web.Request) -> web.Response | None:
         body = await request.read()
-        delay_s = 0.0
-        fault = self.take_fault()
-        if fault is not None:
-            kind, _, delay_s = fault
-            if kind == "drop":
-                # Close the socket with no response, as a crashed or OOM-killed server does.
-                assert request.transport is not None
-                request.transport.abort()
-                return None
-            if kind == "500":
-                return web.Response(status=500, text="Internal Server Error")
-            if kind == "503":
-                return self._overloaded("Injected fault: service unavailable.")
-            if kind == "malformed":  # a 200 a client cannot use (no output_ids)
-                return _json({"text": "", "meta_info": {"id": "malformed"}})
+        answered, response, delay_s = self._injected(request)
+        if answered:
+            return response
         try:
             batch, items = parse_generate(body, self.completer.vocab_size)
             self.admit(items)
         except RequestError as exc:
             return _json({"error": {"message": str(exc)}}, status=400)
+        outs = await self._run_all(items, delay_s)
+        for out in outs:
+            if isinstance(out, QueueFull):
+                return self._overloaded(str(out))
+        return _json(outs if batch else outs[0])
+
+    async def _chat(self, request: web.Request) -> web.Response | None:
+        """POST /v1/chat/completions (chat.py): one rendered prompt on the same slots."""
+        body = await request.read()
+        answered, response, delay_s = self._injected(request)
+        if answered:
+            return response
+        try:
+            item = parse_chat(
+                body, self.completer.tokenizer, self.completer.vocab_size,
+                self.config.context_length,
+            )  # fmt: skip
+            self.admit([item])
+        except RequestError as exc:
+            return _json(chat_error(str(exc), 400), status=400)
+        (out,) = await self._run_all([item], delay_s)
+        if isinstance(out, QueueFull):
+            return self._overloaded(str(out))
+        model = orjson.loads(body).get("model") or self.model_path
+        return _json(chat_response(out, model))
+
+    async def _run_all(self, items: list[Item], delay_s: float) -> list[Any]:
+        """Each item's reply dict, or QueueFull; the rids are free again after."""
         started = time.monotonic()
         try:
             outs = await asyncio.gather(
@@ -117,11 +164,9 @@ class Standin(Scheduler):
         finally:
             self.finish(items)
         for out in outs:
-            if isinstance(out, QueueFull):
-                return self._overloaded(str(out))
-            if isinstance(out, BaseException):
+            if isinstance(out, BaseException) and not isinstance(out, QueueFull):
                 raise out
-        return _json(outs if batch else outs[0])
+        return outs
 
     def _overloaded(self, message: str) -> web.Response:
         body = {"object": "error", "message": message, "type": "503", "param": None, "code": 503}
