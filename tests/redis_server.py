@@ -71,7 +71,13 @@ class RedisServer:
                     self.process.wait()
                     self.process = None
                     raise PortTaken(self.port)
-                return self
+                # INFO answers while the AOF loads; any other command fails with
+                # BusyLoadingError until it is loaded (a restart on a big AOF).
+                if int(client.info("persistence")["loading"]) == 0:
+                    return self
+                if time.monotonic() > deadline:
+                    raise RuntimeError("test redis-server did not finish loading its data")
+                time.sleep(0.02)
         finally:
             client.close()
 
