@@ -106,6 +106,20 @@ redis.call('SET', KEYS[2], 0, 'EX', ARGV[2])
 return redis.call('LRANGE', KEYS[1], 0, -1)
 """
 
+# The lease check of `ChunkLease.write` (lease.py), at the head of every script that
+# writes under a chunk's lease. KEYS 1-3: attempts list, unacked_index, write count;
+# ARGV 1-4: attempt index, delivery tag ('' = none), writes made, state TTL. Returns
+# {status} (LOST_WHY) when this delivery does not hold the chunk (nothing written),
+# else counts this write and goes on.
+LEASE_CHECK_LUA = """
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
+if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
+local writes = tonumber(redis.call('GET', KEYS[3]))
+local made = tonumber(ARGV[3])
+if writes ~= made and writes ~= made + 1 then return {3} end
+redis.call('SET', KEYS[3], made + 1, 'EX', ARGV[4])
+"""
+
 # KEYS: attempts list, unacked_index, write count, generated set, results stream, then
 # the conversations' checkpoint keys (`--turns all`).
 # ARGV: attempt index, delivery tag ('' = none), writes made, state TTL, the stream's
@@ -116,13 +130,9 @@ return redis.call('LRANGE', KEYS[1], 0, -1)
 # answer with it), unless the prompt was settled already (a retry whose first try landed). Returns
 # {0, flag per result: 1 handed off, 0 already settled}, or {status} (LOST_WHY) when
 # this delivery does not hold the chunk (nothing written).
-HAND_OFF_LUA = """
-if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
-if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
-local writes = tonumber(redis.call('GET', KEYS[3]))
-local made = tonumber(ARGV[3])
-if writes ~= made and writes ~= made + 1 then return {3} end
-redis.call('SET', KEYS[3], made + 1, 'EX', ARGV[4])
+HAND_OFF_LUA = (
+    LEASE_CHECK_LUA
+    + """
 local flags = {0}
 for i = 6, #ARGV, 5 do
   local fresh = redis.call('SADD', KEYS[4], ARGV[i])
@@ -141,6 +151,7 @@ end
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 return flags
 """
+)
 
 # KEYS: attempts list, unacked_index, write count, generated set, the job's chunks hash,
 # then the queue list of each new chunk.
@@ -152,13 +163,9 @@ return flags
 # chunk is recorded as the job's and pushed at the consuming end of its list (RPUSH:
 # BRPOP takes it next, before chunks published later). A retry whose first try landed
 # (its ids already marked) writes nothing more. Returns {0} or {status} (LOST_WHY).
-GIVE_BACK_UNSTARTED_LUA = """
-if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) + 1 then return {1} end
-if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[2], ARGV[2]) == false then return {2} end
-local writes = tonumber(redis.call('GET', KEYS[3]))
-local made = tonumber(ARGV[3])
-if writes ~= made and writes ~= made + 1 then return {3} end
-redis.call('SET', KEYS[3], made + 1, 'EX', ARGV[4])
+GIVE_BACK_UNSTARTED_LUA = (
+    LEASE_CHECK_LUA
+    + """
 local n_ids = tonumber(ARGV[5])
 if redis.call('SISMEMBER', KEYS[4], ARGV[6]) == 1 then return {0} end
 for i = 6, 5 + n_ids do redis.call('SADD', KEYS[4], ARGV[i]) end
@@ -171,6 +178,7 @@ for a = 6 + n_ids, #ARGV, 3 do
 end
 return {0}
 """
+)
 LOST_WHY = {
     1: "a later delivery of the chunk started",
     2: "its delivery went back to the queue",
