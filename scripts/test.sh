@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy  # the packages and settings are in pyproject.toml [tool.mypy]
+# mypy over the installed namespace (regen.common is common/: docs/design.md, Layout);
+# its settings are in pyproject.toml [tool.mypy].
+.venv/bin/python scripts/typecheck.py
 # Tests run in parallel processes (pytest-xdist), each with its own Redis and folders.
 # Most of a test's time is spent waiting on the processes it started (workers, servers,
 # Redis), so more processes than cores pays: 4 on 2 cores halves the run.

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 import redis
 
+import regen.common
+import regen.consumers
+import regen.producer
 from regen.common import settings
 from tests.redis_server import RedisServer, reserved_port, running_redis
 
@@ -20,12 +23,38 @@ from tests.redis_server import RedisServer, reserved_port, running_redis
 # with one thread, the local-engine demo 137 s and 67 s. What the tests assert does not
 # depend on the thread count: each compares results computed in the same process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def installed_elsewhere() -> dict[str, str]:
+    """The subpackages that do not come from this checkout's top-level folders.
+
+    regen.common, regen.producer and regen.consumers are common/, producer/ and consumers/
+    through the venv's editable install (`pip install -e .` in scripts/setup.sh; docs/
+    design.md, Layout), whatever PYTHONPATH says: a venv installed from another checkout
+    would run that one's code beside this one's regen/, and its workers too."""
+    return {
+        module.__name__: str(module.__file__)
+        for module in (regen.common, regen.producer, regen.consumers)
+        if Path(str(module.__file__)).resolve().parent != REPO / module.__name__.split(".")[-1]
+    }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if elsewhere := installed_elsewhere():
+        raise pytest.UsageError(
+            f"the venv runs another checkout's code: {elsewhere}; install this checkout "
+            f"into it (scripts/setup.sh, or `pip install --no-deps -e {REPO}`)"
+        )
+
+
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # State (the converted-tokenizer cache) goes to pytest's cache folder, never ./.regen;
 # subprocesses inherit it, so each does not convert the GGUF tokenizer again.
-os.environ.setdefault("REGEN_HOME", str(Path(__file__).parents[1] / ".pytest_cache" / "regen"))
+os.environ.setdefault("REGEN_HOME", str(REPO / ".pytest_cache" / "regen"))
 # The embedded Redis of the session (and of every subprocess it starts) is on a port of its
 # own, never the default one: a `regen demo` or `regen redis start` left running on the
 # machine must not change what a test sees. The port is held by a socket that is bound but

@@ -171,9 +171,13 @@ def test_the_image_runs_the_installed_regen_command() -> None:
     assert image_entrypoint() == ["regen"]
     (script,) = entry_points(group="console_scripts", name="regen")
     assert script.value == "regen.cli:main"
-    # pyproject.toml's package list (no tomllib: Python 3.10 is supported).
-    (include,) = re.findall(r"^include = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)
-    assert re.findall(r'"(\w+)\*"', include) == ["regen"]
+    # pyproject.toml's package-dir: the folders the wheel is built from, all in the one
+    # `regen` namespace (no tomllib: Python 3.10 is supported).
+    pyproject = (REPO / "pyproject.toml").read_text()
+    (table,) = re.findall(r"^\[tool\.setuptools\.package-dir\]\n((?:.+\n)+)", pyproject, re.M)
+    mapped = dict(re.findall(r'^"?([\w.]+)"? = "(\w+)"$', table, re.M))
+    assert sorted(mapped.values()) == sorted(PACKAGES)
+    assert {name.split(".")[0] for name in mapped} == {"regen"}
     for package in PACKAGES:  # a package missing from the image fails only at run time
         assert f"COPY {package} {package}" in DOCKERFILE
     assert re.search(r"^FROM python:3\.11-slim$", DOCKERFILE, re.MULTILINE)
