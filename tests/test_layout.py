@@ -41,14 +41,16 @@ def test_the_namespace_is_the_top_level_folders(module: str, path: str) -> None:
 def test_pyproject_lists_every_package_folder() -> None:
     """setuptools is given the packages by name (a package-dir mapping finds none by
     itself): a folder left off would be missing from the wheel, yet import from a
-    checkout."""
+    checkout. Every folder is one, regen/data too (setuptools warns of a folder that
+    Python could import but `packages` leaves out)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"] == FOLDERS
     folders = {
-        ".".join([package, *init.parent.relative_to(REPO / folder).parts])
+        ".".join([package, *path.relative_to(REPO / folder).parts])
         for package, folder in FOLDERS.items()
-        for init in (REPO / folder).rglob("__init__.py")
+        for path in [REPO / folder, *(REPO / folder).rglob("*")]
+        if path.is_dir() and "__pycache__" not in path.parts
     }
     assert sorted(setuptools["packages"]) == sorted(folders)
 
