@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +144,42 @@ def test_the_operator_tools_see_the_tokenize_stage_through_its_face() -> None:
             if module and module.startswith("regen.consumers.tokenize") and module != face:
                 reaching[path.name] = module
     assert reaching == {}
+
+
+def load_typecheck() -> Any:
+    spec = importlib.util.spec_from_file_location("typecheck", REPO / "scripts" / "typecheck.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mypy_is_shown_the_installed_tree(tmp_path: Path) -> None:
+    """scripts/typecheck.py lays out the namespace as the wheel has it (mypy knows no
+    package-dir), so mypy reaches every module, and reports the files where they live."""
+    typecheck = load_typecheck()
+    mapping = typecheck.package_dirs()
+    assert mapping == FOLDERS
+    typecheck.lay_out(tmp_path / "tree", mapping)
+    laid_out = {  # through the links, as mypy goes
+        (Path(folder) / name).relative_to(tmp_path / "tree").as_posix()
+        for folder, _, names in os.walk(tmp_path / "tree", followlinks=True)
+        for name in names
+        if name.endswith(".py")
+    }
+    assert "regen/common/keys.py" in laid_out
+    assert len(laid_out) == len(python_files("regen", "common", "producer", "consumers"))
+    keys = tmp_path / "tree" / "regen" / "common" / "keys.py"
+    assert keys.resolve() == REPO / "common" / "keys.py"
+
+    error = ": error: Incompatible types in assignment  [assignment]"
+    assert typecheck.as_in_repository(f"regen/common/keys.py:3{error}", mapping) == (
+        f"common/keys.py:3{error}"
+    )
+    assert typecheck.as_in_repository("regen/consumers/generate/tasks.py:9: note", mapping) == (
+        "consumers/generate/tasks.py:9: note"
+    )
+    assert typecheck.as_in_repository("regen/cli.py:1: error", mapping) == "regen/cli.py:1: error"
+    assert typecheck.as_in_repository("Found 1 error in 1 file", mapping) == (
+        "Found 1 error in 1 file"
+    )
