@@ -45,30 +45,18 @@ def enqueue_prompts(
     return prepared.spec
 
 
-class Worker:
-    """`regen worker KIND ...` (generate unless told) as a subprocess in its own process
-    group, as on a host of its own, its log in a file."""
+class GroupProcess:
+    """A subprocess in its own process group, as on a host of its own, its output in a
+    log file: `regen ARGV` with the test's PYTHONPATH and `env` over the environment."""
 
-    def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 kind: str = "generate"):  # fmt: skip
-        self.kind = kind
-        self.log_path = log_dir / f"worker-{len(list(log_dir.glob('worker-*')))}.log"
-        full_env = {
-            **os.environ, "PYTHONPATH": str(REPO),
-            "REGEN_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT_S),
-            "REGEN_RESTORE_INTERVAL": "1", "REGEN_RESTORE_THROTTLE": "1",
-            **(env or {}),
-        }  # fmt: skip
-        with open(self.log_path, "ab") as log:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "regen", "worker", kind, "--redis-url", url, *args],
-                env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [sys.executable, "-m", "regen", *argv],
+                env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-
-    @property
-    def name(self) -> str:
-        """Its worker name, as in its heartbeat and its chunks' attempts."""
-        return f"{self.kind}@{socket.gethostname()}:{self.process.pid}"
 
     def signal_group(self, sig: int) -> None:
         os.killpg(self.process.pid, sig)
@@ -90,6 +78,28 @@ class Worker:
     def log(self) -> str:
         """The whole log: a search must not miss a line that a long traceback pushed out."""
         return self.log_path.read_text(errors="replace")
+
+
+class Worker(GroupProcess):
+    """`regen worker KIND ...` (generate unless told), its log in a file."""
+
+    def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 kind: str = "generate"):  # fmt: skip
+        self.kind = kind
+        leases = {
+            "REGEN_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT_S),
+            "REGEN_RESTORE_INTERVAL": "1", "REGEN_RESTORE_THROTTLE": "1",
+        }  # fmt: skip
+        super().__init__(
+            ["worker", kind, "--redis-url", url, *args],
+            log_dir / f"worker-{len(list(log_dir.glob('worker-*')))}.log",
+            {**leases, **(env or {})},
+        )
+
+    @property
+    def name(self) -> str:
+        """Its worker name, as in its heartbeat and its chunks' attempts."""
+        return f"{self.kind}@{socket.gethostname()}:{self.process.pid}"
 
     def __enter__(self) -> Worker:
         return self

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import redis
 
 from regen.common import connection
-from tests.generate_harness import REPO, Worker
+from tests.generate_harness import REPO, GroupProcess, Worker
 from tests.redis_server import RedisServer
 from tests.sentinel_cluster import MASTER, SentinelCluster
 
@@ -180,39 +178,18 @@ class SentinelRedis(_Snapshots):
         self.cluster.stop()
 
 
-class Follower:
-    """The job's `regen enqueue ARGS --follow` as a subprocess in its own process group,
-    with a worker's interface (process, name, kill, stop), its log in a file."""
+class Follower(GroupProcess):
+    """The job's `regen enqueue ARGS --follow`, with a worker's interface (process, name,
+    kill, stop), its log in a file."""
 
     def __init__(self, url: str, log_dir: Path, *args: str, env: dict[str, str]) -> None:
         self.kind = "producer"
-        self.log_path = log_dir / f"follower-{len(list(log_dir.glob('follower-*')))}.log"
-        full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "regen", "enqueue", *args, "--follow", "--redis-url", url],
-                env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        log_path = log_dir / f"follower-{len(list(log_dir.glob('follower-*')))}.log"
+        super().__init__(["enqueue", *args, "--follow", "--redis-url", url], log_path, env)
 
     @property
     def name(self) -> str:
         return f"follower:{self.process.pid}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @dataclass
