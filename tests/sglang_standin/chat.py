@@ -21,9 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
-from tests.sglang_standin.validate import Item, RequestError, check_item
+from tests.sglang_standin.validate import Item, RequestError, check_item, request_object
 
 # OpenAI chat fields that map onto SGLang sampling params under another name.
 _RENAMED = {"min_tokens": "min_new_tokens", "seed": "sampling_seed"}
@@ -37,14 +35,7 @@ _SAMPLING = (
 
 def parse_chat(body: bytes, tokenizer: Any, vocab_size: int, context_length: int) -> Item:
     """One chat request as the stand-in's Item (rendered prompt ids), or RequestError."""
-    try:
-        req = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"Invalid JSON body: {exc}") from exc
-    if not isinstance(req, dict):
-        raise RequestError("The request body must be a JSON object.")
-    if req.get("stream"):
-        raise RequestError("The stand-in does not stream: send stream=false.")
+    req = request_object(body)
     if req.get("n", 1) != 1:
         raise RequestError("The stand-in supports n=1 only.")
     messages = req.get("messages")

@@ -38,8 +38,9 @@ class Item:
     sampling: dict[str, Any]
 
 
-def parse_generate(body: bytes, vocab_size: int) -> tuple[bool, list[Item]]:
-    """(is_batch, items) or RequestError."""
+def request_object(body: bytes) -> dict[str, Any]:
+    """A request body as its JSON object, or RequestError (not JSON, not an object, or
+    asking for streaming, which the stand-in does not do)."""
     try:
         req = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -48,6 +49,12 @@ def parse_generate(body: bytes, vocab_size: int) -> tuple[bool, list[Item]]:
         raise RequestError("The request body must be a JSON object.")
     if req.get("stream"):
         raise RequestError("The stand-in does not stream: send stream=false.")
+    return req
+
+
+def parse_generate(body: bytes, vocab_size: int) -> tuple[bool, list[Item]]:
+    """(is_batch, items) or RequestError."""
+    req = request_object(body)
     ids = req.get("input_ids")
     if ids is None:
         raise RequestError("Either text or input_ids should be provided (stand-in: input_ids).")
