@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
 
 from regen.common import keys
-from tests.generate_harness import REPO, Worker
+from tests.generate_harness import REPO, GroupProcess, Worker
 from tests.helpers import wait_for, write_jsonl
 from tests.sglang_standin.process import run_standin
 from tests.test_redis_restore import (
@@ -36,12 +34,7 @@ def test_a_chunk_lost_in_kombus_window_is_queued_again_by_the_follower(
     prompts = [f"Tell me fact number {i} about the moon." for i in range(24)]
     dataset = write_jsonl(tmp_path / "moon.jsonl", [{"prompt": p} for p in prompts])
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_REDIS_URL": redis_url,
-           "REGEN_FOLLOW_POLL_S": "1", "REGEN_FOLLOW_GRACE_S": "3"}  # fmt: skip
-    follow_log = tmp_path / "follow.log"
-    with open(follow_log, "wb") as log:
-        follower = subprocess.Popen([sys.executable, "-m", "regen", *enqueue_args(dataset),
-                                     "--follow"], env=env, stdout=log, stderr=log)  # fmt: skip
+    follower = start_follower(redis_url, dataset, tmp_path)
     tokenize = TokenizeWorker(redis_url, out, tmp_path / "tokenize.log")
     workers: list[Worker] = []
     try:
@@ -54,22 +47,34 @@ def test_a_chunk_lost_in_kombus_window_is_queued_again_by_the_follower(
             doomed.process.wait(timeout=120)  # killed at its first pop's unacked record
             assert doomed.process.returncode == -9
             workers.append(Worker(redis_url, tmp_path, *args))
-            follower.wait(timeout=240)
-            assert follower.returncode == 0, follow_log.read_text(errors="replace")
+            follower.process.wait(timeout=240)
+            assert follower.process.returncode == 0, follower.log()
         assert job_settled(r)
     finally:
-        if follower.poll() is None:
-            follower.kill()
+        follower.kill()
         for worker in workers:
             worker.kill()
         tokenize.stop()
-    followed = follow_log.read_text(errors="replace")
+    followed = follower.log()
     assert "in no place for" in followed and "queueing them again" in followed, followed
+    assert_verified_once(redis_url, out, len(prompts))
+    assert not r.exists(keys.job_follower(JOB)), "the follower left when done"
+
+
+def start_follower(redis_url: str, dataset: Path, tmp_path: Path) -> GroupProcess:
+    """`regen enqueue DATASET --follow`, with the follower's poll and grace cut to
+    seconds so that a lost chunk is queued again within the test."""
+    env = {"REGEN_REDIS_URL": redis_url, "REGEN_FOLLOW_POLL_S": "1",
+           "REGEN_FOLLOW_GRACE_S": "3"}  # fmt: skip
+    return GroupProcess([*enqueue_args(dataset), "--follow"], tmp_path / "follow.log", env)
+
+
+def assert_verified_once(redis_url: str, out: Path, prompts: int) -> None:
+    """`regen verify` passes and the shards hold each of the job's prompts once."""
     verified = regen(redis_url, "verify", "--job", JOB, "--shards-dir", str(out / JOB))
     assert verified.exit_code == 0, verified.output
     counts = shard_id_counts(out / JOB)
-    assert len(counts) == len(prompts) and max(counts.values()) == 1, "every prompt once"
-    assert not r.exists(keys.job_follower(JOB)), "the follower left when done"
+    assert len(counts) == prompts and max(counts.values()) == 1, "every prompt once"
 
 
 def stopped(pid: int) -> bool:
@@ -84,12 +89,7 @@ def test_a_worker_stopped_in_kombus_window_that_wakes_after_the_requeue_writes_n
     prompts = [f"Tell me fact number {i} about the sun." for i in range(16)]
     dataset = write_jsonl(tmp_path / "sun.jsonl", [{"prompt": p} for p in prompts])
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_REDIS_URL": redis_url,
-           "REGEN_FOLLOW_POLL_S": "1", "REGEN_FOLLOW_GRACE_S": "3"}  # fmt: skip
-    follow_log = tmp_path / "follow.log"
-    with open(follow_log, "wb") as log:
-        follower = subprocess.Popen([sys.executable, "-m", "regen", *enqueue_args(dataset),
-                                     "--follow"], env=env, stdout=log, stderr=log)  # fmt: skip
+    follower = start_follower(redis_url, dataset, tmp_path)
     tokenize = TokenizeWorker(redis_url, out, tmp_path / "tokenize.log")
     workers: list[Worker] = []
     try:
@@ -103,23 +103,19 @@ def test_a_worker_stopped_in_kombus_window_that_wakes_after_the_requeue_writes_n
             wait_for(lambda: stopped(sleeper.process.pid), timeout=120,
                      what="the worker stopped inside kombu's window")  # fmt: skip
             workers.append(Worker(redis_url, tmp_path, *args))
-            follower.wait(timeout=240)  # the chunk was queued again under its id and ran
-            assert follower.returncode == 0, follow_log.read_text(errors="replace")
-            assert "queueing them again" in follow_log.read_text(errors="replace")
+            follower.process.wait(timeout=240)  # the chunk was queued again under its id and ran
+            assert follower.process.returncode == 0, follower.log()
+            assert "queueing them again" in follower.log()
             sleeper.signal_group(signal.SIGCONT)  # it wakes, records the old message, runs it
             wait_for(lambda: job_settled(r) and sleeper_done(r), timeout=180,
                      what="the woken worker's delivery settled")  # fmt: skip
             assert sleeper.process.poll() is None, "the woken worker goes on"
     finally:
-        if follower.poll() is None:
-            follower.kill()
+        follower.kill()
         for worker in workers:
             worker.kill()
         tokenize.stop()
-    verified = regen(redis_url, "verify", "--job", JOB, "--shards-dir", str(out / JOB))
-    assert verified.exit_code == 0, verified.output
-    counts = shard_id_counts(out / JOB)
-    assert len(counts) == len(prompts) and max(counts.values()) == 1, "every prompt once"
+    assert_verified_once(redis_url, out, len(prompts))
 
 
 def sleeper_done(r: redis.Redis) -> bool:
