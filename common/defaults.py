@@ -36,6 +36,11 @@ MAX_NEW_TOKENS = 4096
 # Producer backpressure: enqueueing blocks while the job has more than this many chunks
 # waiting (queued, plus results not yet written to shards, in chunk units).
 HIGH_WATER_CHUNKS = 256
+# The producer orders the prompts of each window of this many rows longest dataset
+# answer first (producer/longest_first.py; `--order-window`, 0 keeps the file's order):
+# a few rounds of a large fleet's slots, and seconds of rendering; a job stopped
+# half-way has answered a fair half.
+ORDER_WINDOW = 8192
 
 # --- planning (`regen plan`) -------------------------------------------------------
 # Prompts tokenized; a 10,000-prompt sample puts the mean within ~1% for ordinary length

@@ -33,14 +33,16 @@ from typing import Any
 import redis
 from celery import Celery
 
-from regen.common import keys
+from regen.common import defaults, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.queues import waiting_chunks
 from regen.common.samples import SEED_PARAM, sample_seed
+from regen.producer.answer_length import dataset_answer_chars
 from regen.producer.conversations import job_prompt
 from regen.producer.enqueue_stats import EnqueueStats
 from regen.producer.input_refusals import Refusals
 from regen.producer.job_ids import JobIds
+from regen.producer.longest_first import LongestFirst
 from regen.producer.lost_turns import LostTurns
 from regen.producer.pending_prompt import Pending
 from regen.producer.prompts_to_queue import KnownPrompts
@@ -63,6 +65,7 @@ class Enqueuer:
         job: PreparedJob,
         *,
         high_water: int,
+        order_window: int = defaults.ORDER_WINDOW,
         on_progress: Callable[[EnqueueStats], None] = lambda stats: None,
     ) -> None:
         self._r = r
@@ -70,9 +73,12 @@ class Enqueuer:
         self._publisher = ChunkPublisher(app, r, self._spec)
         self._lost = LostTurns(r, self._spec.name)
         self._high_water = high_water
+        self._order = LongestFirst(order_window, job.spec.chunk_size * job.spec.samples)
         self._on_progress = on_progress
-        # Per file: where this producer last moved (or found) its cursor in Redis.
+        # Per file: where this producer last moved (or found) its cursor in Redis, and
+        # the last chunk it published (or found published) from the file's rows.
         self._cursor_at: dict[str, int] = {}
+        self._last_chunk: dict[str, str] = {}
         self.stats = EnqueueStats(high_water=high_water)
         ids = JobIds(r, self._spec.name)
         self._refusals = Refusals(r, self._spec.name, ids, self.stats)
@@ -116,6 +122,7 @@ class Enqueuer:
     ) -> int | None:
         """Read the file from row `start` (its cursor in Redis); raises CursorBehind."""
         self._cursor_at[fingerprint] = start
+        self._last_chunk.pop(fingerprint, None)
         self.stats.rows_resumed += start
         if budget is not None:
             budget -= start
@@ -131,9 +138,10 @@ class Enqueuer:
             pending = self._interpret(raw, path)
             if pending is not None:
                 buffer.extend(self._samples(pending))
-            if len(buffer) >= self._spec.chunk_size * self._spec.samples:
+            if len(buffer) >= self._order.window:
                 self._flush(buffer, fingerprint, last_row)
                 buffer = []
+                self._order.grow()
             if self.stats.rows_read % 256 == 0:
                 self._on_progress(self.stats)
         # Rows after the last full chunk form the file's final, smaller chunk.
@@ -153,7 +161,9 @@ class Enqueuer:
             self._refusals.row(raw, path, exc.reason, exc.message)
             return None
         source["id"] = prompt.source_id
-        return Pending(prompt=prompt, source=source, conversation=conversation)
+        answer_chars = dataset_answer_chars(raw.value, every_turn=conversation is not None)
+        return Pending(prompt=prompt, source=source, conversation=conversation,
+                       answer_chars=answer_chars)  # fmt: skip
 
     def _samples(self, item: Pending) -> list[Pending]:
         """The prompts a row's prompt makes: itself, or one per sample (--samples)."""
@@ -167,33 +177,43 @@ class Enqueuer:
         """Resolve every buffered row, then move the file's cursor to `last_row`."""
         fresh = self._known.drop_known(buffer)
         prompts = self._renderer.render_all(fresh)
-        by_sample: dict[int | None, list[ChunkPrompt]] = {}
+        by_sample: dict[int | None, list[tuple[Pending, ChunkPrompt]]] = {}
         for item, prompt in zip(fresh, prompts, strict=True):
             if prompt is not None:
-                by_sample.setdefault(item.sample, []).append(prompt)
-        groups = sorted(by_sample.items(), key=lambda group: group[0] or 0)
-        for i, (sample, chunk_prompts) in enumerate(groups):
+                by_sample.setdefault(item.sample, []).append((item, prompt))
+        chunks = [
+            (sample, chunk_prompts)
+            for sample, rendered in sorted(by_sample.items(), key=lambda group: group[0] or 0)
+            for chunk_prompts in self._order.chunks(rendered, self._spec.chunk_size)
+        ]
+        for i, (sample, chunk_prompts) in enumerate(chunks):
             sampling = {} if sample is None else {SEED_PARAM: sample_seed(self._spec.name, sample)}
-            # The cursor moves with the buffer's last chunk only.
-            last = i == len(groups) - 1
-            self._publish(chunk_prompts, sampling, {fingerprint: last_row} if last else {})
-        if not groups:
+            # The cursor moves with the buffer's last chunk only: a crash before it reads
+            # the buffer's rows again, and those already published are skipped.
+            last = i == len(chunks) - 1
+            cursor = last_row if last else self._cursor_at[fingerprint]
+            self._publish(chunk_prompts, sampling, fingerprint, cursor)
+        if not chunks:
             self._save_cursors({fingerprint: last_row})
         self._lost.clear()
 
     def _publish(
-        self, prompts: list[ChunkPrompt], sampling: dict[str, Any], cursors: dict[str, int]
+        self, prompts: list[ChunkPrompt], sampling: dict[str, Any], fingerprint: str, cursor: int
     ) -> None:
-        """Publish prompts as one chunk, less any another producer enqueued meanwhile."""
+        """Publish prompts as one chunk, less any another producer enqueued meanwhile,
+        moving the file's cursor to `cursor`."""
+        cursors = {fingerprint: cursor}
         while prompts:
             self._wait_for_room()
             ids = [pid for p in prompts for pid in p.accounted_ids]
             chunk = Chunk(self._spec.name, Chunk.make_id(self._spec.name, ids), prompts, sampling)
             resumed = self._lost.checkpoint(chunk.chunk_id, prompts)
             outcome = self._publisher.publish(
-                chunk.chunk_id, chunk.to_payload(), ids, cursors, behind=self._cursor_at
-            )
+                chunk.chunk_id, chunk.to_payload(), ids, cursors, behind=self._cursor_at,
+                after_chunk=self._last_chunk.get(fingerprint),
+            )  # fmt: skip
             if outcome.published or not outcome.already_enqueued:
+                self._last_chunk[fingerprint] = chunk.chunk_id
                 self._lost.published(resumed)
                 if outcome.published:
                     self.stats.enqueued += len(ids)

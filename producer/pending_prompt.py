@@ -19,6 +19,9 @@ class Pending:
     conversation: Conversation | None = None
     # With --samples, the sample this is (None: the job draws one answer a prompt).
     sample: int | None = None
+    # The characters of the dataset's own answer (producer/answer_length.py), which
+    # orders the prompts of a window longest first; None: the row carries none.
+    answer_chars: int | None = None
 
     @property
     def id(self) -> str:

@@ -30,7 +30,12 @@ from regen.producer.job_ids import ADD_IDS_LUA, JobIds
 # KEYS: chunks hash, cursors hash, counters hash, then the bucket of each id
 # (keys.job_ids), then one key per LPUSH.
 # ARGV: chunk id, number of ids, number of cursors, ids' fields..., per cursor its name,
-# its new value and the value it must not be behind (-1: not checked), messages...
+# its new value and the value it must not be behind (-1: not checked), messages..., and
+# last the chunk this producer published before from the same rows ('' for none).
+# That chunk missing from the chunks hash (append-only) is a rollback too: the chunks of
+# a window of rows go out before the cursor moves past them (producer/longest_first.py),
+# so the cursor alone cannot tell that one of them was lost; it is reported as the first
+# cursor being behind, at its value in Redis.
 # Returns {} when published, {'chunk'} when the chunk was already published (its ids
 # all in the job: a chunk whose ids `regen recover` took out, its message lost, goes
 # out again),
@@ -45,6 +50,11 @@ local n_cur = tonumber(ARGV[3])
 for c = 4 + n_ids, 3 + n_ids + 3 * n_cur, 3 do
   local stored = tonumber(redis.call('HGET', KEYS[2], ARGV[c]) or '0')
   if stored < tonumber(ARGV[c + 2]) then return {'behind', ARGV[c], stored} end
+end
+local after = ARGV[#ARGV]
+if after ~= '' and redis.call('HEXISTS', KEYS[1], after) == 0 then
+  local name = ARGV[4 + n_ids]
+  return {'behind', name, tonumber(redis.call('HGET', KEYS[2], name) or '0')}
 end
 local present = {}
 for i = 1, n_ids do
@@ -141,9 +151,12 @@ class ChunkPublisher:
         prompt_ids: list[str],
         cursors: dict[str, int],
         behind: dict[str, int] | None = None,
+        after_chunk: str | None = None,
     ) -> PublishOutcome:
         """Publish the chunk with its ids and move `cursors`; raises CursorBehind when
-        one of them is behind its value in `behind` (nothing written)."""
+        one of them is behind its value in `behind`, or when `after_chunk` (this
+        producer's previous chunk from the same rows; needs a cursor) is not in the job:
+        nothing written."""
         rendered = self._messages.render(chunk_id, payload, self._queue)
         pushes, after = rendered.pushes, rendered.after
         job = self._job
@@ -155,6 +168,7 @@ class ChunkPublisher:
             cursor_args += [name, value, (behind or {}).get(name, -1)]
         argv = [chunk_id, len(prompt_ids), len(cursors), *fields, *cursor_args]
         argv += [message for _, message in pushes]
+        argv.append(after_chunk or "")
         result = self._script(keys=lua_keys, args=argv)
         if result and result[0] == b"behind":
             raise CursorBehind(result[1].decode(), int(result[2]))

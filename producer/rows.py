@@ -132,7 +132,9 @@ _ROLES = {
     "function": "tool",  # OpenAI's legacy tool result
     "observation": "tool",  # ShareGPT
 }
-_CONVERSATION_FIELDS = ("messages", "conversations", "conversation")
+# The spellings of an assistant turn (producer/answer_length.py reads the dataset's own).
+ASSISTANT_SPELLINGS = frozenset(s for s, role in _ROLES.items() if role == "assistant")
+CONVERSATION_FIELDS = ("messages", "conversations", "conversation")
 _BARE_FIELDS = ("question", "text")
 _ID_FIELDS = ("id", "uuid", "conversation_id", "idx", "question_id")
 
@@ -202,7 +204,7 @@ def _check_order(turns: list[_Turn]) -> None:
 
 
 def _turns(row: dict[str, object]) -> list[_Turn]:
-    for name in _CONVERSATION_FIELDS:
+    for name in CONVERSATION_FIELDS:
         if row.get(name) is not None:
             return _conversation(name, row[name])
     if row.get("instruction") is not None:

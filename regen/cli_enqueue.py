@@ -66,6 +66,16 @@ def _stop_following(signum: int, frame: object) -> None:
     envvar="REGEN_HIGH_WATER",
     help="Block while the job has this many chunks waiting in Redis.",
 )
+@int_option(
+    "--order-window",
+    minimum=0,
+    default=defaults.ORDER_WINDOW,
+    envvar="REGEN_ORDER_WINDOW",
+    help=(
+        "Queue the prompts of each window of N rows longest dataset answer first, so a "
+        "job does not end on a long answer started last; 0 keeps the file's order."
+    ),
+)
 @click.option(
     "--follow",
     is_flag=True,
@@ -82,6 +92,7 @@ def enqueue(
     options: JobOptions,
     limit: int | None,
     high_water: int,
+    order_window: int,
     follow: bool,
     redis_url: str | None,
 ) -> None:
@@ -126,7 +137,12 @@ def enqueue(
 
             stats = run_through_outages(
                 lambda: Enqueuer(
-                    r, enqueuer_app, prepared, high_water=high_water, on_progress=on_progress
+                    r,
+                    enqueuer_app,
+                    prepared,
+                    high_water=high_water,
+                    order_window=order_window,
+                    on_progress=on_progress,
                 ),
                 files,
                 limit=limit,

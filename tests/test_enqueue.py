@@ -18,7 +18,7 @@ import zstandard
 from click.testing import CliRunner
 
 from regen.cli import main
-from regen.common import dlq, jobspec, keys
+from regen.common import defaults, dlq, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chat_family import render_prompt_ids
 from regen.producer.enqueue import Enqueuer, EnqueueStats
@@ -28,7 +28,7 @@ from tests.helpers import job_ids, queued_chunks, user_rows, write_jsonl
 
 def enqueue(
     url: str, paths: list[Path], *, high_water: int = 10_000, limit: int | None = None,
-    **options: Any,
+    order_window: int = defaults.ORDER_WINDOW, **options: Any,
 ) -> EnqueueStats:  # fmt: skip
     options.setdefault("job", "j")
     options.setdefault("model", "smollm2")
@@ -36,7 +36,9 @@ def enqueue(
     prepared = prepare_job(JobOptions(**options))
     r = redis.Redis.from_url(url)
     jobspec.save(r, prepared.spec)
-    enqueuer = Enqueuer(r, make_app(url), prepared, high_water=high_water)
+    enqueuer = Enqueuer(
+        r, make_app(url), prepared, high_water=high_water, order_window=order_window
+    )
     return enqueuer.run(paths, limit=limit)
 
 
