@@ -188,11 +188,13 @@ def enqueue(
 
 
 @contextmanager
-def standins(speeds: list[float], slots: int, dist: str) -> Iterator[list[StandinHandle]]:
+def standins(
+    speeds: list[float], slots: int, dist: str, **options: Any
+) -> Iterator[list[StandinHandle]]:
     servers = [
         start_standin(
             max_running_requests=slots, decode_tokens_per_s=1000.0 / ms, output_len_dist=dist,
-            context_length=CONTEXT_LENGTH,
+            context_length=CONTEXT_LENGTH, **options,
         )
         for ms in speeds
     ]  # fmt: skip

@@ -192,6 +192,14 @@ def test_standin_lengths_follow_the_configured_spread(tokenizer: Any) -> None:
     median, p99 = lengths[1000], lengths[1980]
     assert 80 < median < 125 and p99 > 5 * median  # a long right tail, like real answers
 
+    # A bench's prompt may ask for its length (its dataset's answer predicts it).
+    asking = Completer(tokenizer, LengthDist.parse("fixed:n=10"), eos_id=None, think=False,
+                       seed=0, length_from_prompt=True)  # fmt: skip
+    prompt = tokenizer.encode("Explain it. [answer-length 37]", add_special_tokens=False)
+    assert len(asking.complete(prompt, {"max_new_tokens": 100}).output_ids) == 38
+    unasked = tokenizer.encode("Explain it.", add_special_tokens=False)
+    assert len(asking.complete(unasked, {"max_new_tokens": 100}).output_ids) == 11
+
 
 def test_standin_queue_full_and_context_length(server: StandinHandle) -> None:
     long_prompt = list(range(100, 1100))  # 1000 tokens, context 1024

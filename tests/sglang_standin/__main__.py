@@ -21,6 +21,7 @@ async def main(config: StandinConfig) -> None:
         think=config.think,
         seed=config.seed,
         suffix=config.answer_suffix,
+        length_from_prompt=config.answer_length_from_prompt,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

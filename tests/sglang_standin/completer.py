@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -100,6 +101,10 @@ class Completion:
     text: str
 
 
+# How a prompt asks for its answer's length (`answer_length_from_prompt`).
+ASKED_LENGTH = re.compile(r"\[answer-length (\d+)\]")
+
+
 class Completer:
     def __init__(
         self,
@@ -110,9 +115,11 @@ class Completer:
         think: bool,
         seed: int,
         suffix: str | None = None,
+        length_from_prompt: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.dist = dist
+        self.length_from_prompt = length_from_prompt
         self.eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
         if self.eos_id is None:
             raise ValueError("the tokenizer has no eos token: pass --eos-id")
@@ -132,7 +139,9 @@ class Completer:
         stop_ids = {self.eos_id, *(sampling.get("stop_token_ids") or ())}
         # A request's own seed draws its answer, as SGLang's sampling_seed does.
         rng = random.Random(self._digest(input_ids, sampling.get("sampling_seed")))
-        wanted = max(self.dist.sample(rng), int(sampling.get("min_new_tokens") or 0))
+        drawn = self.dist.sample(rng)
+        asked = self._asked_length(input_ids) if self.length_from_prompt else None
+        wanted = max(drawn if asked is None else asked, int(sampling.get("min_new_tokens") or 0))
         n_body = max_new if ignore_eos else min(wanted, max_new)
         body = self._text_ids(rng, n_body)[:n_body]
         if self.suffix and not ignore_eos:
@@ -159,6 +168,12 @@ class Completer:
             ids[:-1] if trim else ids, skip_special_tokens=True if skip is None else bool(skip)
         )
         return Completion(output_ids=ids, finish_reason=reason, text=text)
+
+    def _asked_length(self, input_ids: list[int]) -> int | None:
+        """The length a prompt asks for with `[answer-length N]` (a bench's dataset
+        whose own answers predict the new ones), or None."""
+        asked = ASKED_LENGTH.search(self.tokenizer.decode(input_ids))
+        return None if asked is None else int(asked.group(1))
 
     def _digest(self, input_ids: list[int], request_seed: int | None = None) -> int:
         h = hashlib.blake2b(digest_size=8, key=self.seed.to_bytes(8, "little"))

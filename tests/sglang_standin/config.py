@@ -104,6 +104,9 @@ class StandinConfig:
             "help": "answer lengths: lognormal:mean=M,sigma=S[,min,max] | uniform | fixed:n=N"
         },
     )
+    answer_length_from_prompt: bool = _opt(
+        False, "answer as many tokens as a prompt asks with '[answer-length N]' (else drawn)"
+    )
     think: bool = _opt(False, "answer REASONING</think>ANSWER, as after a <think> prompt")
     answer_suffix: str | None = _opt(
         None, "text every answer ends with, before its end-of-turn token (e.g. a tool call)"

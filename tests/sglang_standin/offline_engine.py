@@ -95,6 +95,7 @@ class Engine:
         completer = Completer(
             tokenizer, config.output_len_dist, eos_id=config.eos_id, think=config.think,
             seed=config.seed, suffix=config.answer_suffix,
+            length_from_prompt=config.answer_length_from_prompt,
         )  # fmt: skip
         self._scheduler = Scheduler(config, completer)
         self.tokenizer_manager = TokenizerManager(self._scheduler)
