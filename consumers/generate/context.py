@@ -40,6 +40,9 @@ class ChunkContext:
     # them a delivery holds all its prompts.
     room: Callable[[int], int] | None = None
     messages: ChunkMessages | None = None
+    # Whether another generate worker on a queue has idle slots (peers.py): prompts
+    # waiting here go back to the queue only then. Set by the worker.
+    peer_idle: Callable[[str], bool] | None = None
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,13 +57,14 @@ class ChunkContext:
         with self._lock:
             self.inflight += delta
 
-    def reserve(self, wanted: int) -> int:
+    def reserve(self, wanted: int, at_least: int = 1) -> int:
         """Count up to `wanted` prompts in flight: as many as the worker can start soon
-        (`room`), and at least one, so every delivery makes progress; how many."""
+        (`room`), and at least `at_least` (a delivery starts one, so it makes progress);
+        how many."""
         with self._lock:
             held = wanted
             if self.room is not None and self.messages is not None:
-                held = min(wanted, max(1, self.room(self.inflight)))
+                held = min(wanted, max(at_least, self.room(self.inflight)))
             self.inflight += held
             return held
 

@@ -27,6 +27,7 @@ from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow_control import make_flow_control, startable_soon
 from regen.consumers.generate.metrics import generate_metrics
+from regen.consumers.generate.peers import PeerView
 from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.tasks import register
 
@@ -186,6 +187,8 @@ def run_worker(options: WorkerOptions) -> None:
         engine.capacity(), ctx.prompts.rate(), outstanding
     )
     ctx.messages = ChunkMessages(app)
+    peers = PeerView(r, name)
+    ctx.peer_idle = lambda queue: peers.idle_slots(queue) > 0
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
     app.steps["consumer"].add(
@@ -287,6 +290,9 @@ def _snapshot(
         "chunk_limit": ctx.chunk_limit,
         "engine_stats": stats,
         "inflight": ctx.inflight,
+        # Read by the other generate workers (peers.py): they give their unstarted
+        # prompts back to the queue while this worker has slots idle.
+        "idle_slots": max(0, ctx.runner.engine.capacity() - ctx.inflight) if state.healthy else 0,
         "tokens_per_s": ctx.tokens.rate(),
         "tokens_total": ctx.tokens.total,
     }
