@@ -225,7 +225,7 @@ def _generate_all(
         # Leaving early (shutdown, lost lease, Redis out of reach, a prompt given back):
         # stop the prompts still running so the engine's capacity goes to the next chunk.
         batch.cancel()
-        ctx.count_inflight(-held.running)
+        held.release()
         raise
     return generated, rejected
 

@@ -28,14 +28,16 @@ from regen.consumers.generate.engine_loop import Batch
 
 log = logging.getLogger("regen.generate")
 
-# While prompts wait, a delivery looks this often for slots of its own or a peer's
-# (it also looks each time one of its prompts finishes).
-WAITING_CHECK_S = 1.0
+# While prompts wait, a delivery looks this often for free slots of its own (another
+# delivery's prompt may have finished) or idle ones of a peer; it also looks each time
+# one of its own prompts finishes. A fraction of a second against answers of minutes.
+WAITING_CHECK_S = 0.2
 
 
 class HeldPrompts:
     """One delivery's prompts: `started` (by outcome index), `running` of them not
-    finished (each counted in the worker's in-flight), and `waiting` (not started)."""
+    finished (each counted in the worker's in-flight), and `waiting` (not started,
+    counted in the worker's waiting)."""
 
     def __init__(
         self,
@@ -52,9 +54,10 @@ class HeldPrompts:
         self.started: list[ChunkPrompt] = []
         self.running = 0
         self.waiting = list(todo)
+        ctx.count_waiting(len(todo))
 
     def start_first(self) -> Batch[GenerateResult]:
-        """Start what the worker can start soon, at least one prompt."""
+        """Start what the worker has free slots for, at least one prompt."""
         count = self._ctx.reserve(len(self.waiting))
         prompts = self._take(count)
         if self.waiting:
@@ -63,13 +66,13 @@ class HeldPrompts:
         try:
             return self._ctx.runner.start_batch([self._request(p) for p in prompts])
         except BaseException:
-            self._ctx.count_inflight(-count)
-            self.running -= count
+            self.release()
             raise
 
     def start_or_give_back(self, batch: Batch[GenerateResult]) -> None:
-        """Start waiting prompts the worker has room for now; give the rest back while
-        another worker has idle slots. Raises LeaseLost (nothing given back)."""
+        """Start waiting prompts the worker has free slots for now; give as many of the
+        rest back as other workers have idle slots. Raises LeaseLost (nothing given
+        back)."""
         if not self.waiting:
             return
         # At least one when none runs: a delivery always makes progress.
@@ -77,12 +80,18 @@ class HeldPrompts:
         if count:
             first = len(self.started)
             batch.extend([self._request(p) for p in self._take(count)], first)
-        if self.waiting and self._peer_idle():
-            self._give_back()
+        if self.waiting:
+            self._give_back(min(len(self.waiting), self._peer_idle_slots()))
 
     def finished(self, count: int) -> None:
         self.running -= count
         self._ctx.count_inflight(-count)
+
+    def release(self) -> None:
+        """The delivery ends early: its prompts no longer count as the worker's."""
+        self._ctx.count_inflight(-self.running)
+        self._ctx.count_waiting(-len(self.waiting))
+        self.running, self.waiting = 0, []
 
     def wake_after_s(self) -> float | None:
         """How long to wait for an outcome before looking again (None: until one)."""
@@ -102,24 +111,30 @@ class HeldPrompts:
         )
         return generate_with_retry(self._ctx.runner, request)
 
-    def _peer_idle(self) -> bool:
+    def _peer_idle_slots(self) -> int:
         ctx = self._ctx
-        if ctx.peer_idle is None or ctx.messages is None:
-            return False
-        return ctx.peer_idle(ctx.spec(self._chunk.job).queue)
+        if ctx.peers is None or ctx.messages is None:
+            return 0
+        return ctx.peers.idle_slots(ctx.spec(self._chunk.job).queue)
 
-    def _give_back(self) -> None:
+    def _give_back(self, count: int) -> None:
+        """Give the last `count` waiting prompts back to the queue (the first of them
+        start here as slots free)."""
+        if count <= 0:
+            return
         ctx = self._ctx
-        assert ctx.messages is not None
+        assert ctx.messages is not None and ctx.peers is not None
         queue = ctx.spec(self._chunk.job).queue
-        prompts = self.waiting
+        keep, prompts = self.waiting[:-count], self.waiting[-count:]
         chunks = give_back_unstarted(ctx.redis, ctx.messages, queue, self._lease, self._chunk,
                                      prompts)  # fmt: skip
-        self.waiting = []
+        self.waiting = keep
+        ctx.count_waiting(-count)
+        ctx.peers.claim(queue, count)
         log.info(
             "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
-            "(another worker has idle slots)",
+            "(other workers have idle slots)",
             self._chunk.chunk_id,
-            len(prompts),
+            count,
             chunks,
         )

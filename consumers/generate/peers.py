@@ -17,13 +17,18 @@ from collections.abc import Callable
 import orjson
 import redis
 
-from regen.common import keys
+from regen.common import defaults, keys
 from regen.common.connection import bytes_hash
 
 # A heartbeat older than this is a worker gone or stuck: not a peer to hand work to.
 FRESH_S = 30.0
-# The fleet view is read at most this often per process (every chunk asks).
+# The fleet view is read at most this often per process (every delivery with waiting
+# prompts asks, several times a second).
 CACHE_S = 2.0
+# Slots this worker gave prompts back for count as taken for this long: until every
+# peer has beaten since (heartbeats are at most HEARTBEAT_INTERVAL_MAX_S apart) and the
+# view is read again. Without it each look at the same stale beat gives back more.
+CLAIM_S = defaults.HEARTBEAT_INTERVAL_MAX_S + CACHE_S
 
 
 class PeerView:
@@ -36,15 +41,24 @@ class PeerView:
         self._lock = threading.Lock()
         self._read_at = float("-inf")
         self._idle: dict[str, int] = {}
+        self._claims: list[tuple[float, str, int]] = []  # (when, queue, slots)
 
     def idle_slots(self, queue: str) -> int:
-        """Idle slots of the other live, healthy generate workers consuming `queue`."""
+        """Idle slots of the other live, healthy generate workers consuming `queue`,
+        less those this worker recently gave prompts back for."""
         with self._lock:
             now = self._clock()
             if now - self._read_at >= CACHE_S:
                 self._idle = self._read(now)
                 self._read_at = now
-            return self._idle.get(queue, 0)
+            self._claims = [c for c in self._claims if now - c[0] < CLAIM_S]
+            claimed = sum(slots for _, q, slots in self._claims if q == queue)
+            return max(0, self._idle.get(queue, 0) - claimed)
+
+    def claim(self, queue: str, slots: int) -> None:
+        """Prompts were given back for `slots` of the idle slots on `queue`."""
+        with self._lock:
+            self._claims.append((self._clock(), queue, slots))
 
     def _read(self, now: float) -> dict[str, int]:
         idle: dict[str, int] = {}
