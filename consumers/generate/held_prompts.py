@@ -2,12 +2,11 @@
 and given to the queue when another worker can start them sooner (docs/design.md,
 "Only what can start soon").
 
-A delivery starts what its worker can start soon (`ChunkContext.reserve`: free slots
-and those freeing within flow_control.START_WITHIN_S), and the rest as prompts finish.
-The prompts it holds unstarted were never sent to an engine, so they can leave at no
-cost: while another generate worker on the queue has idle slots (peers.py), they go
-back to the queue in new chunks (chunk_life.give_back_unstarted). With no such peer
-(one server) nothing moves: the delivery runs as it always has.
+A delivery starts what its engine's free slots take (`ChunkContext.reserve`), and the
+rest as slots free. The prompts it holds unstarted were never sent to an engine, so
+they can leave at no cost: as many as the other generate workers on the queue have idle
+slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted).
+With no idle peer (one server, or a busy fleet) nothing moves.
 """
 
 from __future__ import annotations
