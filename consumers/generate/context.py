@@ -47,6 +47,9 @@ class ChunkContext:
     # The idle slots of the other generate workers (peers.py): prompts waiting here go
     # back to the queue only for them. Set by the worker.
     peers: PeerView | None = None
+    # Called when the worker's slots fall idle with nothing waiting here, so that the
+    # others learn it within a second, not at the next regular heartbeat (peers.py).
+    on_idle_slots: Callable[[], None] = lambda: None
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -60,6 +63,10 @@ class ChunkContext:
     def count_inflight(self, delta: int) -> None:
         with self._lock:
             self.inflight += delta
+
+    def has_idle_slots(self) -> bool:
+        """Free slots and no prompt waiting here to take them."""
+        return self.room is not None and not self.waiting and self.room(self.inflight) > 0
 
     def count_waiting(self, delta: int) -> None:
         with self._lock:

@@ -85,6 +85,8 @@ class HeldPrompts:
     def finished(self, count: int) -> None:
         self.running -= count
         self._ctx.count_inflight(-count)
+        if count and self._ctx.has_idle_slots():
+            self._ctx.on_idle_slots()
 
     def release(self) -> None:
         """The delivery ends early: its prompts no longer count as the worker's."""

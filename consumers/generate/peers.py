@@ -5,7 +5,9 @@ A worker holding prompts it has not started gives them back only when another wo
 could start them sooner (docs/design.md, "Only what can start soon"): with no such
 peer, a give-back would only put the prompts back for the same worker to take again,
 a Redis script and a message rewrite per prompt for nothing (the one-server case).
-Heartbeats are at most 10 s old, which is a fraction of one answer at real lengths.
+A worker beats at once (at most once a second) when its slots fall idle with nothing
+waiting in it, so its idle slots are seen within a couple of seconds, not at its next
+regular beat (up to 10 s): at 40 s answers, 10 s is a quarter of a slot's work.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from regen.common.connection import bytes_hash
 FRESH_S = 30.0
 # The fleet view is read at most this often per process (every delivery with waiting
 # prompts asks, several times a second).
-CACHE_S = 2.0
+CACHE_S = 1.0
 # Slots this worker gave prompts back for count as taken for this long: until every
 # peer has beaten since (heartbeats are at most HEARTBEAT_INTERVAL_MAX_S apart) and the
 # view is read again. Without it each look at the same stale beat gives back more.

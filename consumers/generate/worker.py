@@ -207,6 +207,7 @@ def run_worker(options: WorkerOptions) -> None:
         interval_s=min(configured.heartbeat_interval_s, configured.visibility_timeout_s / 4),
         renew=ctx.leases.renew,
     )
+    ctx.on_idle_slots = heartbeat.wake
     metrics = None
     if options.metrics_port is not None:
         metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
