@@ -68,6 +68,10 @@ def last_seen(r: redis.Redis) -> dict[str, float]:
     }
 
 
+# A beat asked for early (`Heartbeat.wake`) comes at least this long after the last.
+WOKEN_BEAT_GAP_S = 1.0
+
+
 class Heartbeat(threading.Thread):
     """Writes `snapshot()` under the worker's name every interval until stopped.
 
@@ -93,6 +97,7 @@ class Heartbeat(threading.Thread):
         )
         self._renew = renew
         self._stop_event = threading.Event()
+        self._woken = threading.Event()
         self.started_at = time.time()
 
     def beat(self) -> None:
@@ -116,10 +121,20 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat failed: Redis unreachable (%s)", exc)
             except Exception:  # a heartbeat error must never stop the worker
                 log.exception("heartbeat failed")
-            self._stop_event.wait(self._interval_s)
+            beaten = time.monotonic()
+            self._woken.wait(self._interval_s)
+            self._woken.clear()
+            # Woken early: at most one beat a WOKEN_BEAT_GAP_S.
+            self._stop_event.wait(max(0.0, WOKEN_BEAT_GAP_S - (time.monotonic() - beaten)))
+
+    def wake(self) -> None:
+        """Beat now (within WOKEN_BEAT_GAP_S of the last beat): what the record says
+        changed in a way others act on (a generate worker's slots fell idle)."""
+        self._woken.set()
 
     def stop(self) -> None:
         """Stop beating and remove the record: a cleanly stopped worker is not stale."""
         self._stop_event.set()
+        self._woken.set()
         with contextlib.suppress(redis.RedisError):
             self._r.hdel(keys.WORKERS, self._name)

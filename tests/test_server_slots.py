@@ -12,6 +12,16 @@ def test_no_reading_trusts_the_limit() -> None:
     assert server.slots.estimate() is None and server.startable() == 256
 
 
+def test_before_the_first_awaited_reading_a_slow_start() -> None:
+    """With `--max-inflight auto` the first chunk comes before the first /metrics
+    reading: START, not the limit of 256; a server whose /metrics fail gets its limit."""
+    server = ServerState("http://a", "http://a", cap=256)
+    server.slots.expect_readings()
+    assert server.startable() == START
+    server.slots.no_readings()
+    assert server.startable() == 256
+
+
 def test_a_slow_start_then_the_slots_a_queue_reveals() -> None:
     server = ServerState("http://a", "http://a", cap=256)
     server.slots.observe(0, 0, now=0.0)

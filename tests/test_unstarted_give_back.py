@@ -5,6 +5,7 @@ queue, under its lease (consumers/generate/chunk_life/unstarted.py; docs/design.
 from __future__ import annotations
 
 import base64
+import time
 from pathlib import Path
 
 import orjson
@@ -25,7 +26,8 @@ from regen.consumers.generate.chunk_life import (
     read_generated,
 )
 from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.flow_control import MIN_SLACK, START_WITHIN_S, startable_soon
+from regen.consumers.generate.flow_control import chunk_limit
+from regen.consumers.generate.peers import CACHE_S, CLAIM_S, FRESH_S, PeerView
 from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile
 from tests.generate_harness import (
@@ -133,63 +135,129 @@ def test_a_delivery_that_lost_its_chunk_gives_nothing_back(
     assert r.hlen(keys.job_chunks(spec.name)) == 1
 
 
-def test_a_worker_holds_what_it_can_start_soon_and_at_least_one(r: redis.Redis) -> None:
-    """32 free slots finishing 0.8 prompts/s: a 64-prompt chunk is held for its 32 slots
-    and the few that free within START_WITHIN_S; a second chunk arriving at once gets
-    one prompt (progress), not another 32."""
+def idle_peer(r: redis.Redis, queue: str, idle_slots: int = 4) -> None:
+    """A heartbeat of another generate worker on `queue` with idle slots."""
+    beat = {"kind": "generate", "healthy": True, "queues": [queue], "idle_slots": idle_slots,
+            "last_seen": time.time()}  # fmt: skip
+    r.hset(keys.WORKERS, "generate@peer:1", orjson.dumps(beat))
+
+
+def test_a_peer_counts_when_fresh_healthy_on_the_queue_and_idle(r: redis.Redis) -> None:
+    now = [1000.0]
+    view = PeerView(r, "generate@me:1", clock=lambda: now[0])
+    beat = {"kind": "generate", "healthy": True, "queues": ["q"], "idle_slots": 3,
+            "last_seen": 1000.0}  # fmt: skip
+    r.hset(keys.WORKERS, mapping={
+        "generate@a:1": orjson.dumps(beat),
+        "generate@me:1": orjson.dumps({**beat, "idle_slots": 50}),  # itself: not a peer
+        "generate@b:1": orjson.dumps({**beat, "healthy": False}),
+        "generate@c:1": orjson.dumps({**beat, "queues": ["other"]}),
+        "tokenize@d:1": orjson.dumps({**beat, "kind": "tokenize"}),
+        "generate@e:1": orjson.dumps({**beat, "last_seen": 1000.0 - FRESH_S - 1}),
+    })  # fmt: skip
+    assert view.idle_slots("q") == 3 and view.idle_slots("other") == 3
+    r.hset(keys.WORKERS, "generate@a:1", orjson.dumps({**beat, "idle_slots": 0}))
+    assert view.idle_slots("q") == 3  # read at most every CACHE_S
+    now[0] += CACHE_S
+    assert view.idle_slots("q") == 0
+    now[0] += FRESH_S
+    r.hset(keys.WORKERS, "generate@c:1", orjson.dumps({**beat, "queues": ["other"]}))
+    assert view.idle_slots("other") == 0  # every heartbeat stale now
+
+
+def test_slots_given_prompts_count_as_taken_until_the_peers_beat_again(
+    r: redis.Redis,
+) -> None:
+    """A peer's heartbeat says 8 idle slots for up to 10 s after it filled them: prompts
+    given back for 5 of them leave 3 to give for, not 8 again at the next look."""
+    now = [1000.0]
+    view = PeerView(r, "generate@me:1", clock=lambda: now[0])
+    beat = {"kind": "generate", "healthy": True, "queues": ["q"], "idle_slots": 8,
+            "last_seen": 1000.0}  # fmt: skip
+    r.hset(keys.WORKERS, "generate@a:1", orjson.dumps(beat))
+    assert view.idle_slots("q") == 8
+    view.claim("q", 5)
+    assert view.idle_slots("q") == 3 and view.idle_slots("other") == 0
+    view.claim("q", 5)
+    assert view.idle_slots("q") == 0  # never below none
+    now[0] += CLAIM_S
+    r.hset(keys.WORKERS, "generate@a:1", orjson.dumps({**beat, "last_seen": now[0]}))
+    assert view.idle_slots("q") == 8  # a later beat tells again
+
+
+def test_a_delivery_starts_what_its_slots_take_and_at_least_one(r: redis.Redis) -> None:
+    """32 free slots: a 64-prompt chunk starts 32 and 32 wait in it, whatever rate the
+    slots finish at (prompts sent to the engine can no longer go to another worker); a
+    second chunk arriving at once starts one (progress), not another 32. Flow control
+    counts the waiting ones as held."""
     ctx = ChunkContext(redis=r, runner=None)  # type: ignore[arg-type]
-    ctx.room = lambda outstanding: startable_soon(32, 0.8, outstanding)
+    ctx.room = lambda running: 32 - running
     ctx.messages = object()  # type: ignore[assignment]
-    first = ctx.reserve(64)
-    assert first == 32 + max(2, int(0.8 * START_WITHIN_S + 0.999))
+    ctx.count_waiting(64)
+    assert ctx.reserve(64) == 32
+    ctx.count_waiting(64)
     assert ctx.reserve(64) == 1
-    assert ctx.inflight == first + 1
-    # Without a renderer (an engine run in a test, a tool) a delivery holds it all.
+    assert ctx.reserve(63, at_least=0) == 0  # a running delivery waits for a free slot
+    assert (ctx.inflight, ctx.waiting, ctx.outstanding) == (33, 95, 128)
+    # Without a renderer (an engine run in a test, a tool) a delivery starts it all.
     plain = ChunkContext(redis=r, runner=None)  # type: ignore[arg-type]
     assert plain.reserve(64) == 64
 
 
+def test_while_peers_idle_flow_control_takes_chunks_only_for_free_slots() -> None:
+    """Slack (prompts waiting beyond the slots) is for a worker alone on its queue;
+    while another worker has idle slots it would only keep prompts from it."""
+    assert chunk_limit(30, 32, 1, 4.0, 64) == 2  # alone: room for slack, one more chunk
+    assert chunk_limit(32, 32, 1, 4.0, 64, peers_idle=True) == 1  # full: none more
+    assert chunk_limit(30, 32, 1, 4.0, 64, peers_idle=True) == 2  # 2 free slots: one
+
+
 @pytest.mark.slow
 def test_a_worker_that_started_first_leaves_a_second_server_work(tmp_path: Path) -> None:
-    """Two servers of 4 slots, answers of ~3 s, one chunk of 16 prompts (the product's
+    """Two servers of 4 slots, answers of ~10 s, one chunk of 32 prompts (the product's
     chunks are larger than many servers' free slots). The first worker takes the chunk
-    before the second starts: it runs what its 4 slots start soon and gives the rest
-    back, and the second worker's server serves them. Before, the first worker held
-    all 16 and the second server idled. Every prompt is generated once."""
-    prompts = [f"Tell me about river number {i}." for i in range(16)]
+    alone: it starts what its slots start soon and holds the rest, giving nothing back
+    while no other worker could take it (the one-server case). Once a second worker
+    with idle slots joins, the prompts not started go back to the queue and its server
+    serves them. Before, the first worker held all 32 to the end and the second server
+    idled. Every prompt is generated once."""
+    prompts = [f"Tell me about river number {i}." for i in range(32)]
     with (
         running_redis(tmp_path / "redis") as redis_server,
         run_standin(max_running_requests=4, decode_tokens_per_s=10,
-                    output_len_dist="fixed:n=30") as first_server,
+                    output_len_dist="fixed:n=100") as first_server,
         run_standin(max_running_requests=4, decode_tokens_per_s=10,
-                    output_len_dist="fixed:n=30") as second_server,
+                    output_len_dist="fixed:n=100") as second_server,
     ):  # fmt: skip
         r = redis.Redis.from_url(redis_server.url)
-        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=16)
-        (published,) = [k.decode() for k in r.hkeys(keys.job_chunks("g"))]
+        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=32)
         common = ["--engine", "sglang", "--max-inflight", "4", "--jobs", "g"]
         with Worker(redis_server.url, tmp_path, *common, "--server", first_server.url) as first:
-            wait_for(lambda: r.hlen(keys.job_chunks("g")) > 1, timeout=120,
-                     what="the first worker to give prompts back")  # fmt: skip
-            # Its 4 slots and the minimum slack (no rate measured yet) kept: 6 run.
-            given_back = r.smembers(keys.chunk_generated("g", published))
-            assert len(given_back) == 16 - 4 - MIN_SLACK
-            assert r.hlen(keys.job_chunks("g")) == 1 + 2  # in chunks of 8 and 2
+            # A first round of answers done (~10 s): alone, it gave nothing back.
+            wait_for(lambda: first_server.stats()["requests_total"] >= 5, timeout=120,
+                     what="the first worker's first answers")  # fmt: skip
+            assert r.hlen(keys.job_chunks("g")) == 1
             with Worker(redis_server.url, tmp_path, *common, "--server", second_server.url):
+                wait_for(lambda: r.hlen(keys.job_chunks("g")) > 1, timeout=60,
+                         what="prompts given back for the second worker")  # fmt: skip
                 wait_for(lambda: all_generated(r, spec), timeout=180, what="the job")
-        assert "gives" in first.log()
+        assert "back to the queue" in first.log()
         assert second_server.stats()["requests_total"] > 0
         ids = [res.id for res in results(r, "g")]
         assert sorted(ids) == sorted(enqueued_ids(r, "g")) == sorted(result_ids(r, "g"))
+        assert (
+            first_server.stats()["requests_total"] + second_server.stats()["requests_total"] == 32
+        )  # nothing ran twice
         report = reconcile(r, spec, None, read_shards=False)
-        assert report.places["in_flight"] == 16 and not report.problem_counts
+        assert report.places["in_flight"] == 32 and not report.problem_counts
 
 
 @pytest.mark.slow
 def test_a_worker_killed_right_after_giving_back_loses_and_repeats_nothing(
     tmp_path: Path,
 ) -> None:
-    """SIGKILL at the worst point: prompts given back, the kept ones not yet started.
+    """SIGKILL at the worst point: prompts given back, the kept ones not yet started
+    (a peer with idle slots is in the heartbeats, so the worker gives back at once).
     The chunk comes back when its lease lapses; its next delivery skips what was given
     back, the new chunks run once, and every prompt is generated exactly once."""
     prompts = [f"Tell me about lake number {i}." for i in range(16)]
@@ -203,18 +271,23 @@ def test_a_worker_killed_right_after_giving_back_loses_and_repeats_nothing(
         (published,) = [k.decode() for k in r.hkeys(keys.job_chunks("g"))]
         common = ["--engine", "sglang", "--max-inflight", "4", "--jobs", "g"]
         common += ["--server", server.url]
+        idle_peer(r, spec.queue)
         crashing = Worker(redis_server.url, tmp_path, *common,
                           env={"REGEN_CRASHPOINT": "generate.after_give_back"})  # fmt: skip
         crashing.process.wait(timeout=120)
         crashing.kill()  # its process group
-        assert server.stats()["requests_total"] == 0  # died before starting any
-        assert len(r.smembers(keys.chunk_generated("g", published))) == 16 - 4 - MIN_SLACK
+        # It started its 4 slots' prompts (some may not have reached the server), and
+        # gave back as many of the 12 waiting as the peer has idle slots.
+        started_before = server.stats()["requests_total"]
+        assert started_before <= 4
+        assert len(r.smembers(keys.chunk_generated("g", published))) == 4
+        r.hdel(keys.WORKERS, "generate@peer:1")
         with Worker(redis_server.url, tmp_path, *common):
             wait_for(lambda: all_generated(r, spec), timeout=180, what="the job")
         history = [a["status"] for a in attempts(r, "g", published)]
         assert history == ["started", "done"]  # the dead delivery, then the one that ran
         ids = [res.id for res in results(r, "g")]
         assert sorted(ids) == sorted(enqueued_ids(r, "g"))
-        assert server.stats()["requests_total"] == 16
+        assert server.stats()["requests_total"] == 16 + started_before
         report = reconcile(r, spec, None, read_shards=False)
         assert report.places["in_flight"] == 16 and not report.problem_counts

@@ -33,15 +33,14 @@ from regen.consumers.generate.chunk_life import (
     ChunkLease,
     LeaseLost,
     attempts_spent,
-    generate_with_retry,
-    give_back_unstarted,
     hand_off,
     read_generated,
     write_dead_letters,
 )
 from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
+from regen.consumers.generate.engine import GenerateResult, PromptRejected
 from regen.consumers.generate.engine_loop import Outcome
+from regen.consumers.generate.held_prompts import HeldPrompts
 from regen.consumers.generate.prompt_outcomes import dead_letter, generated_result
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.turn_state import dead_letter_conversation
@@ -170,7 +169,6 @@ def _run_chunk(
         if any(p.conversation is not None for p in todo):
             generated, dead_lettered = run_conversations(ctx, lease, chunk, todo, done)
         else:
-            todo = _hold_startable(ctx, lease, chunk, todo)
             generated, dead_lettered = _generate_all(ctx, lease, chunk, todo)
     except LeaseLost:
         raise  # nothing to record: the chunk is another's
@@ -187,68 +185,29 @@ def _run_chunk(
     return ChunkOutcome(generated, len(done), dead_lettered)
 
 
-def _hold_startable(
-    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt]
-) -> list[ChunkPrompt]:
-    """The prompts this delivery runs, counted in flight: those its worker can start
-    soon; the rest go back to the queue in new chunks (chunk_life.give_back_unstarted)."""
-    held = ctx.reserve(len(todo))
-    if held == len(todo):
-        return todo
-    assert ctx.messages is not None  # reserve holds fewer only with a renderer
-    try:
-        given = give_back_unstarted(
-            ctx.redis, ctx.messages, ctx.spec(chunk.job).queue, lease, chunk, todo[held:]
-        )
-    except BaseException:
-        ctx.count_inflight(-held)
-        raise
-    log.info(
-        "chunk %s: runs %d prompts, gives %d back in %d chunks (more than it can start soon)",
-        chunk.chunk_id,
-        held,
-        len(todo) - held,
-        given,
-    )
-    return todo[:held]
-
-
 def _generate_all(
     ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt]
 ) -> tuple[int, int]:
-    """Generate every prompt at once (already counted in flight); (handed off,
-    dead-lettered)."""
+    """Generate the chunk's prompts: those its worker can start soon at once, the rest
+    as its slots free, or given back to the queue as soon as another worker has idle
+    slots (docs/design.md, "Only what can start soon"); (handed off, dead-lettered)."""
     # A requeued chunk may override some params (`regen dlq requeue --set`).
     sampling = {**ctx.spec(chunk.job).sampling, **chunk.sampling}
-    requests = [
-        GenerateRequest(
-            rid=f"{chunk.chunk_id}-{prompt.id}-{lease.attempt}",
-            prompt_ids=prompt.prompt_ids,
-            sampling=dict(sampling),
-        )
-        for prompt in todo
-    ]
-    try:
-        batch = ctx.runner.start_batch(
-            [generate_with_retry(ctx.runner, request) for request in requests]
-        )
-    except BaseException:
-        ctx.count_inflight(-len(todo))
-        raise
+    held = HeldPrompts(ctx, lease, chunk, todo, sampling)
+    batch = held.start_first()
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
     generated = rejected = 0
-    left = len(todo)
     try:
-        while left:
+        while held.running or held.waiting:
+            held.start_or_give_back(batch)
             # Every prompt finished by now is handed off together: one round trip.
-            finished = _take_finished(batch.finished)
-            left -= len(finished)
-            ctx.count_inflight(-len(finished))
+            finished = _take_finished(batch.finished, held.wake_after_s())
+            held.finished(len(finished))
             if lease.lost.is_set():
                 raise LeaseLost("another delivery holds the chunk")
             completed = []
             for outcome in finished:
-                prompt = todo[outcome.index]
+                prompt = held.started[outcome.index]
                 if isinstance(outcome.error, PromptRejected):
                     _reject(ctx, lease, chunk, prompt, outcome.error)
                     rejected += 1
@@ -266,16 +225,19 @@ def _generate_all(
         # Leaving early (shutdown, lost lease, Redis out of reach, a prompt given back):
         # stop the prompts still running so the engine's capacity goes to the next chunk.
         batch.cancel()
-        ctx.count_inflight(-left)
+        held.release()
         raise
     return generated, rejected
 
 
 def _take_finished(
-    finishing: queue.SimpleQueue[Outcome[GenerateResult]],
+    finishing: queue.SimpleQueue[Outcome[GenerateResult]], timeout: float | None
 ) -> list[Outcome[GenerateResult]]:
-    """The next outcome, and every other one ready by then."""
-    finished = [finishing.get()]
+    """The next outcome, and every other one ready by then; none after `timeout`."""
+    try:
+        finished = [finishing.get(timeout=timeout)]
+    except queue.Empty:
+        return []
     with contextlib.suppress(queue.Empty):
         while True:
             finished.append(finishing.get_nowait())

@@ -18,6 +18,7 @@ from regen.common.tokenizer import TokenizerMismatch
 from regen.consumers.generate.chunk_life import LeaseBook
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
+from regen.consumers.generate.peers import PeerView
 
 
 @dataclass
@@ -32,14 +33,23 @@ class ChunkContext:
     # Prompts submitted to the engine and not finished; chunks being worked on; the
     # limit on chunks held that flow control sets (see flow_control.py).
     inflight: int = 0
+    # Prompts deliveries hold that are not started (held_prompts.py): outstanding for
+    # flow control, but in no engine, so free to go to another worker.
+    waiting: int = 0
     chunks_held: int = 0
     chunk_limit: int = 0
-    # How many more prompts the worker can start soon, given its outstanding ones
-    # (flow_control.startable_soon over its engine), and how it renders the chunks it
-    # gives the others back in (chunk_life, unstarted.py). Set by the worker; without
-    # them a delivery holds all its prompts.
+    # How many more prompts the worker's engine starts now, given those it runs (its
+    # free slots), and how it renders the chunks it gives the others back in
+    # (chunk_life, unstarted.py). Set by the worker; without them a delivery starts all
+    # its prompts at once.
     room: Callable[[int], int] | None = None
     messages: ChunkMessages | None = None
+    # The idle slots of the other generate workers (peers.py): prompts waiting here go
+    # back to the queue only for them. Set by the worker.
+    peers: PeerView | None = None
+    # Called when the worker's slots fall idle with nothing waiting here, so that the
+    # others learn it within a second, not at the next regular heartbeat (peers.py).
+    on_idle_slots: Callable[[], None] = lambda: None
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,15 +64,30 @@ class ChunkContext:
         with self._lock:
             self.inflight += delta
 
-    def reserve(self, wanted: int) -> int:
-        """Count up to `wanted` prompts in flight: as many as the worker can start soon
-        (`room`), and at least one, so every delivery makes progress; how many."""
+    def has_idle_slots(self) -> bool:
+        """Free slots and no prompt waiting here to take them."""
+        return self.room is not None and not self.waiting and self.room(self.inflight) > 0
+
+    def count_waiting(self, delta: int) -> None:
         with self._lock:
-            held = wanted
+            self.waiting += delta
+
+    @property
+    def outstanding(self) -> int:
+        """Prompts the worker holds: running, and waiting for a slot."""
+        return self.inflight + self.waiting
+
+    def reserve(self, wanted: int, at_least: int = 1) -> int:
+        """Start up to `wanted` of a delivery's waiting prompts: count as many in flight
+        as the engine has free slots (`room`), and at least `at_least` (a delivery
+        starts one, so it makes progress); how many."""
+        with self._lock:
+            started = wanted
             if self.room is not None and self.messages is not None:
-                held = min(wanted, max(1, self.room(self.inflight)))
-            self.inflight += held
-            return held
+                started = min(wanted, max(at_least, self.room(self.inflight)))
+            self.inflight += started
+            self.waiting -= started
+            return started
 
     def count_chunks(self, delta: int) -> None:
         with self._lock:

@@ -50,9 +50,14 @@ class Batch(Generic[T]):
         """Cancel those still running (from any thread); each reports CancelledError."""
         self._loop.call_soon_threadsafe(self._cancel)
 
+    def extend(self, coros: list[Coroutine[Any, Any, T]], first_index: int) -> None:
+        """Start more coroutines in the batch (from any thread), their outcomes indexed
+        from `first_index` on (the caller counts what it started)."""
+        self._loop.call_soon_threadsafe(self._start, coros, first_index)
+
     # --- on the loop -----------------------------------------------------------------
-    def _start(self, coros: list[Coroutine[Any, Any, T]]) -> None:
-        for index, coro in enumerate(coros):
+    def _start(self, coros: list[Coroutine[Any, Any, T]], first_index: int = 0) -> None:
+        for index, coro in enumerate(coros, start=first_index):
             task = self._loop.create_task(coro)
             task.add_done_callback(functools.partial(self._report, index))
             self._tasks.append(task)

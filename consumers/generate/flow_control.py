@@ -37,11 +37,6 @@ REFILL_S = 2.0
 MIN_SLACK = 2
 # And at most this many times the capacity, however fast they free.
 MAX_SLACK_RATIO = 2.0
-# A delivery holds the prompts its worker starts within this long (free slots, and
-# those its slots free meanwhile); the rest go back to the queue (chunk_life,
-# unstarted.py). Longer than REFILL_S, so a chunk flow control asked for is held whole
-# unless the worker is far over its need.
-START_WITHIN_S = 5.0
 
 
 def slack(capacity: int, prompts_per_s: float, within_s: float = REFILL_S) -> int:
@@ -51,29 +46,37 @@ def slack(capacity: int, prompts_per_s: float, within_s: float = REFILL_S) -> in
     return max(MIN_SLACK, min(wanted, int(capacity * MAX_SLACK_RATIO)))
 
 
-def startable_soon(capacity: int, prompts_per_s: float, outstanding: int) -> int:
-    """Prompts a worker with `outstanding` ones can take and start within
-    START_WITHIN_S (may be 0 or less)."""
-    return capacity + slack(capacity, prompts_per_s, START_WITHIN_S) - outstanding
-
-
 def chunk_limit(
-    outstanding: int, capacity: int, held: int, prompts_per_s: float, chunk_size: int = 1
+    outstanding: int,
+    capacity: int,
+    held: int,
+    prompts_per_s: float,
+    chunk_size: int = 1,
+    *,
+    peers_idle: bool = False,
 ) -> int:
     """The limit on chunks held, now holding `held` with `outstanding` prompts: more
     while they are fewer than capacity + slack, else one fewer than held (at least 1:
-    Celery reads 0 as no limit). With no healthy server (capacity 0) nothing is taken
-    (the queue gate has stopped consumption anyway)."""
+    Celery reads 0 as no limit). While other workers have idle slots there is no slack:
+    a chunk is taken only for slots free here, since prompts waiting here are prompts
+    an idle worker could be running. With no healthy server (capacity 0) nothing is
+    taken (the queue gate has stopped consumption anyway)."""
     if capacity <= 0:
         return max(1, held)
-    shortfall = capacity + slack(capacity, prompts_per_s) - outstanding
+    spare = 0 if peers_idle else slack(capacity, prompts_per_s)
+    shortfall = capacity + spare - outstanding
     if shortfall > 0:
         return held + math.ceil(shortfall / max(chunk_size, 1))
     return max(1, held - 1)
 
 
 def make_flow_control(
-    ctx: ChunkContext, capacity: Callable[[], int], initial: int, ceiling: int, chunk_size: int
+    ctx: ChunkContext,
+    capacity: Callable[[], int],
+    initial: int,
+    ceiling: int,
+    chunk_size: int,
+    peers_idle: Callable[[], bool] = lambda: False,
 ) -> type[bootsteps.StartStopStep]:
     class FlowControl(bootsteps.StartStopStep):
         """Moves the consumer's prefetch limit on its own loop (kombu is not thread-safe)."""
@@ -89,8 +92,9 @@ def make_flow_control(
         def adjust(self, consumer: Any) -> None:
             qos = consumer.qos
             target = chunk_limit(
-                ctx.inflight, capacity(), ctx.chunks_held, ctx.prompts.rate(), chunk_size
-            )
+                ctx.outstanding, capacity(), ctx.chunks_held, ctx.prompts.rate(), chunk_size,
+                peers_idle=peers_idle(),
+            )  # fmt: skip
             target = min(target, ceiling)
             if target > qos.value:
                 qos.increment_eventually(target - qos.value)

@@ -25,8 +25,9 @@ from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
-from regen.consumers.generate.flow_control import make_flow_control, startable_soon
+from regen.consumers.generate.flow_control import make_flow_control
 from regen.consumers.generate.metrics import generate_metrics
+from regen.consumers.generate.peers import PeerView
 from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.tasks import register
 
@@ -181,18 +182,21 @@ def run_worker(options: WorkerOptions) -> None:
     # A lost connection leaves held chunks held (their leases decide): chunk_life.
     app.conf.worker_consumer = f"{LeaseKeepingConsumer.__module__}:{LeaseKeepingConsumer.__name__}"
     register(app, ctx)
-    # A delivery holds what the engine starts soon and gives the rest back (chunk_life).
-    ctx.room = lambda outstanding: startable_soon(
-        engine.capacity(), ctx.prompts.rate(), outstanding
-    )
+    # A delivery starts what its engine has free slots for; the rest waits in it, or
+    # goes back to the queue for other workers' idle slots (held_prompts.py).
+    ctx.room = lambda running: engine.capacity() - running
     ctx.messages = ChunkMessages(app)
+    ctx.peers = PeerView(r, name)
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
+    peers = ctx.peers
     app.steps["consumer"].add(
         make_flow_control(
-            ctx, engine.capacity, initial=initial_chunks, ceiling=concurrency, chunk_size=chunk_size
+            ctx, engine.capacity, initial=initial_chunks, ceiling=concurrency,
+            chunk_size=chunk_size,
+            peers_idle=lambda: any(peers.idle_slots(q) > 0 for q in state.wanted()),
         )
-    )
+    )  # fmt: skip
     watcher = Watcher(options, ctx, state)
     # Each beat renews the leases of the chunks held: at least four beats per lease.
     configured = settings.current()
@@ -203,6 +207,7 @@ def run_worker(options: WorkerOptions) -> None:
         interval_s=min(configured.heartbeat_interval_s, configured.visibility_timeout_s / 4),
         renew=ctx.leases.renew,
     )
+    ctx.on_idle_slots = heartbeat.wake
     metrics = None
     if options.metrics_port is not None:
         metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
@@ -287,6 +292,12 @@ def _snapshot(
         "chunk_limit": ctx.chunk_limit,
         "engine_stats": stats,
         "inflight": ctx.inflight,
+        # Read by the other generate workers (peers.py): they give their unstarted
+        # prompts back to the queue while this worker has slots idle.
+        # Its own waiting prompts take its free slots first.
+        "idle_slots": max(0, ctx.runner.engine.capacity() - ctx.outstanding)
+        if state.healthy
+        else 0,
         "tokens_per_s": ctx.tokens.rate(),
         "tokens_total": ctx.tokens.total,
     }

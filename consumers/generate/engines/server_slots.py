@@ -8,7 +8,11 @@ have used (docs/design.md, "Timers at real lengths"). So while a server has a qu
 what it runs is its slots (or what its KV cache fits): the most it ran lately with a
 queue. Before it was ever seen with a queue, it is trusted for GROWTH times the most it
 was seen running, at least START: a slow start that finds the slots within a few polls
-and overshoots them by at most half.
+and overshoots them by at most half. Before the first reading of a server whose
+/metrics will be read (`--max-inflight auto`), it is trusted for START too: a worker's
+first chunk arrives before that reading, and trusting the in-flight limit then (256)
+sent a whole job's worth of prompts into one server's queue before a second worker
+joined. A server without /metrics is trusted for its limit.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ WINDOW_S = 60.0
 class SlotEstimate:
     def __init__(self) -> None:
         self._readings: deque[tuple[float, float, bool]] = deque()  # (when, running, queue?)
+        self._awaited = False
+
+    def expect_readings(self) -> None:
+        """The server's /metrics will be read: until then, trust it for START."""
+        self._awaited = True
+
+    def no_readings(self) -> None:
+        """Its /metrics did not answer usably: without readings, trust its limit."""
+        self._awaited = False
 
     def observe(self, running: float, queued: float, now: float) -> None:
         self._readings.append((now, running, queued > 0))
@@ -32,9 +45,10 @@ class SlotEstimate:
             self._readings.popleft()
 
     def estimate(self) -> int | None:
-        """Requests the server runs at once; None before any reading (no /metrics)."""
+        """Requests the server runs at once; None (its limit) without readings, unless
+        they are awaited."""
         if not self._readings:
-            return None
+            return START if self._awaited else None
         saturated = [running for _, running, queue in self._readings if queue]
         if saturated:
             return max(1, math.ceil(max(saturated)))

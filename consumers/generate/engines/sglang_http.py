@@ -9,7 +9,6 @@ passes again (sglang_pool).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -145,6 +144,9 @@ class SGLangHTTPEngine:
                 self._pool, admission, self.read_metrics, interval_s=admission_poll_s
             )
         )
+        if self._admission is not None:  # each server's /metrics will be read
+            for server in self._pool.servers:
+                server.slots.expect_readings()
 
     async def __aenter__(self) -> SGLangHTTPEngine:
         return self
@@ -360,10 +362,14 @@ class SGLangHTTPEngine:
         bounds what flow control counts on (capacity()).
         """
         status, body = await self._read_metrics(server)
-        if status == 200:
-            with contextlib.suppress(MetricsUnavailable):
-                load = parse_metrics(body.decode("utf-8", errors="replace"))
-                server.slots.observe(load.running, load.queued, time.monotonic())
+        try:
+            if status != 200:
+                raise MetricsUnavailable(f"HTTP {status}")
+            load = parse_metrics(body.decode("utf-8", errors="replace"))
+        except MetricsUnavailable:
+            server.slots.no_readings()
+        else:
+            server.slots.observe(load.running, load.queued, time.monotonic())
         return status, body
 
     async def _read_metrics(self, server: ServerState) -> tuple[int, bytes]:

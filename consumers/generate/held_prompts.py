@@ -1,0 +1,141 @@
+"""The prompts of one delivery, started as its worker's slots allow, the rest held back
+and given to the queue when another worker can start them sooner (docs/design.md,
+"Only what can start soon").
+
+A delivery starts what its engine's free slots take (`ChunkContext.reserve`), and the
+rest as slots free. The prompts it holds unstarted were never sent to an engine, so
+they can leave at no cost: as many as the other generate workers on the queue have idle
+slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted).
+With no idle peer (one server, or a busy fleet) nothing moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.consumers.generate.chunk_life import (
+    ChunkLease,
+    generate_with_retry,
+    give_back_unstarted,
+)
+from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.engine import GenerateRequest, GenerateResult
+from regen.consumers.generate.engine_loop import Batch
+
+log = logging.getLogger("regen.generate")
+
+# While prompts wait, a delivery looks this often for free slots of its own (another
+# delivery's prompt may have finished) or idle ones of a peer; it also looks each time
+# one of its own prompts finishes. A fraction of a second against answers of minutes.
+WAITING_CHECK_S = 0.2
+
+
+class HeldPrompts:
+    """One delivery's prompts: `started` (by outcome index), `running` of them not
+    finished (each counted in the worker's in-flight), and `waiting` (not started,
+    counted in the worker's waiting)."""
+
+    def __init__(
+        self,
+        ctx: ChunkContext,
+        lease: ChunkLease,
+        chunk: Chunk,
+        todo: list[ChunkPrompt],
+        sampling: dict[str, Any],
+    ) -> None:
+        self._ctx = ctx
+        self._lease = lease
+        self._chunk = chunk
+        self._sampling = sampling
+        self.started: list[ChunkPrompt] = []
+        self.running = 0
+        self.waiting = list(todo)
+        ctx.count_waiting(len(todo))
+
+    def start_first(self) -> Batch[GenerateResult]:
+        """Start what the worker has free slots for, at least one prompt."""
+        count = self._ctx.reserve(len(self.waiting))
+        prompts = self._take(count)
+        if self.waiting:
+            log.info("chunk %s: starts %d prompts, holds %d until slots free",
+                     self._chunk.chunk_id, count, len(self.waiting))  # fmt: skip
+        try:
+            return self._ctx.runner.start_batch([self._request(p) for p in prompts])
+        except BaseException:
+            self.release()
+            raise
+
+    def start_or_give_back(self, batch: Batch[GenerateResult]) -> None:
+        """Start waiting prompts the worker has free slots for now; give as many of the
+        rest back as other workers have idle slots. Raises LeaseLost (nothing given
+        back)."""
+        if not self.waiting:
+            return
+        # At least one when none runs: a delivery always makes progress.
+        count = self._ctx.reserve(len(self.waiting), at_least=0 if self.running else 1)
+        if count:
+            first = len(self.started)
+            batch.extend([self._request(p) for p in self._take(count)], first)
+        if self.waiting:
+            self._give_back(min(len(self.waiting), self._peer_idle_slots()))
+
+    def finished(self, count: int) -> None:
+        self.running -= count
+        self._ctx.count_inflight(-count)
+        if count and self._ctx.has_idle_slots():
+            self._ctx.on_idle_slots()
+
+    def release(self) -> None:
+        """The delivery ends early: its prompts no longer count as the worker's."""
+        self._ctx.count_inflight(-self.running)
+        self._ctx.count_waiting(-len(self.waiting))
+        self.running, self.waiting = 0, []
+
+    def wake_after_s(self) -> float | None:
+        """How long to wait for an outcome before looking again (None: until one)."""
+        return WAITING_CHECK_S if self.waiting else None
+
+    def _take(self, count: int) -> list[ChunkPrompt]:
+        prompts, self.waiting = self.waiting[:count], self.waiting[count:]
+        self.started += prompts
+        self.running += count
+        return prompts
+
+    def _request(self, prompt: ChunkPrompt) -> Coroutine[Any, Any, GenerateResult]:
+        request = GenerateRequest(
+            rid=f"{self._chunk.chunk_id}-{prompt.id}-{self._lease.attempt}",
+            prompt_ids=prompt.prompt_ids,
+            sampling=dict(self._sampling),
+        )
+        return generate_with_retry(self._ctx.runner, request)
+
+    def _peer_idle_slots(self) -> int:
+        ctx = self._ctx
+        if ctx.peers is None or ctx.messages is None:
+            return 0
+        return ctx.peers.idle_slots(ctx.spec(self._chunk.job).queue)
+
+    def _give_back(self, count: int) -> None:
+        """Give the last `count` waiting prompts back to the queue (the first of them
+        start here as slots free)."""
+        if count <= 0:
+            return
+        ctx = self._ctx
+        assert ctx.messages is not None and ctx.peers is not None
+        queue = ctx.spec(self._chunk.job).queue
+        keep, prompts = self.waiting[:-count], self.waiting[-count:]
+        chunks = give_back_unstarted(ctx.redis, ctx.messages, queue, self._lease, self._chunk,
+                                     prompts)  # fmt: skip
+        self.waiting = keep
+        ctx.count_waiting(-count)
+        ctx.peers.claim(queue, count)
+        log.info(
+            "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
+            "(other workers have idle slots)",
+            self._chunk.chunk_id,
+            count,
+            chunks,
+        )

@@ -1,0 +1,40 @@
+"""A heartbeat asked for early (`Heartbeat.wake`: a generate worker's slots fell idle)
+comes within a second or so, not at the next regular beat, and never more often than
+WOKEN_BEAT_GAP_S."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import redis
+
+from regen.common import keys
+from regen.common.heartbeat import WOKEN_BEAT_GAP_S, Heartbeat
+from tests.helpers import wait_for
+
+
+def test_a_woken_heartbeat_beats_at_once_but_not_more_than_once_a_gap(r: redis.Redis) -> None:
+    beats = []
+
+    def snapshot() -> dict[str, object]:
+        beats.append(time.monotonic())
+        return {"kind": "generate"}
+
+    heartbeat = Heartbeat(r, "generate@test:1", snapshot, interval_s=600.0)
+    heartbeat.start()
+    try:
+        wait_for(lambda: len(beats) == 1, timeout=10, what="the first beat")
+        assert orjson.loads(r.hget(keys.WORKERS, "generate@test:1"))["kind"] == "generate"
+        woken_at = time.monotonic()
+        for _ in range(5):  # several wakes at once: one early beat
+            heartbeat.wake()
+        wait_for(lambda: len(beats) == 2, timeout=10, what="the early beat")
+        assert beats[1] - beats[0] >= WOKEN_BEAT_GAP_S - 0.05
+        assert beats[1] - woken_at < WOKEN_BEAT_GAP_S + 2.0  # not the 600 s interval
+        time.sleep(WOKEN_BEAT_GAP_S * 1.5)
+        assert len(beats) == 2, "no beat without a wake"
+    finally:
+        heartbeat.stop()
+        heartbeat.join(timeout=10)
+    assert not heartbeat.is_alive() and r.hget(keys.WORKERS, "generate@test:1") is None
