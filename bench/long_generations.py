@@ -24,7 +24,8 @@ per server, the slow server's worker started first: it meets the queue alone),
 first; `--fast-first` starts the fastest first instead), `kill` (`last`, with the
 server killed at 40% of the answers and restarted: only the requests that were on it
 are redone). Targets: busy >= 0.97 (>= 0.95 for
-`all` and the fleets), waste <= 1%, 0 aborted, 0 given back, in every run but `kill`.
+`all` and the fleets), waste <= 1%, 0 aborted, in every run but `kill`; 0 given back
+with one server.
 Every run uses the product's defaults (`regen enqueue` with no --chunk-size: 64 prompts
 a chunk; `--max-inflight auto`) unless a flag says otherwise.
 
