@@ -24,8 +24,11 @@ def test_a_woken_heartbeat_beats_at_once_but_not_more_than_once_a_gap(r: redis.R
     heartbeat = Heartbeat(r, "generate@test:1", snapshot, interval_s=600.0)
     heartbeat.start()
     try:
-        wait_for(lambda: len(beats) == 1, timeout=10, what="the first beat")
+        # The record is written after the snapshot is taken: wait for the record.
+        wait_for(lambda: r.hexists(keys.WORKERS, "generate@test:1"), timeout=10,
+                 what="the first beat")  # fmt: skip
         assert orjson.loads(r.hget(keys.WORKERS, "generate@test:1"))["kind"] == "generate"
+        assert len(beats) == 1
         woken_at = time.monotonic()
         for _ in range(5):  # several wakes at once: one early beat
             heartbeat.wake()
