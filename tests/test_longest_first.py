@@ -12,10 +12,9 @@ import redis
 
 from regen.common import jobspec
 from regen.producer.answer_length import dataset_answer_chars
-from regen.producer.publish import ChunkPublisher, PublishOutcome
 from tests.helpers import job_ids, queued_chunks, write_jsonl
 from tests.test_enqueue import enqueue, queued_prompts
-from tests.test_redis_restore import dump_all, restore_all
+from tests.test_producer_rollback import RollbackDuringPublish
 
 
 def chat(question: str, answer: str | None) -> dict[str, Any]:
@@ -100,21 +99,7 @@ def test_a_rollback_inside_a_window_is_seen_and_its_chunks_published_again(
     where it was; the producer sees its 3rd chunk gone when it publishes the 4th."""
     rows = [chat(f"Question {i}", "x" * (i % 4 + 1)) for i in range(15)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    publish = ChunkPublisher.publish
-    copy: dict[bytes, bytes] = {}
-    published = 0
-
-    def publish_then_roll_back(self: ChunkPublisher, *args: Any, **kwargs: Any) -> PublishOutcome:
-        nonlocal published
-        outcome = publish(self, *args, **kwargs)
-        published += 1
-        if published == 2:
-            copy.update(dump_all(r))
-        elif published == 3:
-            restore_all(r, copy)
-        return outcome
-
-    monkeypatch.setattr(ChunkPublisher, "publish", publish_then_roll_back)
+    RollbackDuringPublish(r, monkeypatch, copy_after=2, restore_after=3)
     enqueue(redis_url, [path], chunk_size=3)
     queued = [prompt["id"] for prompt in queued_prompts(r)]
     assert len(queued) == 15 == len(set(queued)), "every prompt queued, once"
