@@ -176,10 +176,10 @@ def test_slots_given_prompts_count_as_taken_until_the_peers_beat_again(
             "last_seen": 1000.0}  # fmt: skip
     r.hset(keys.WORKERS, "generate@a:1", orjson.dumps(beat))
     assert view.idle_slots("q") == 8
-    view.claim("q", 5)
+    assert view.claim("q", 5) == 5
     assert view.idle_slots("q") == 3 and view.idle_slots("other") == 0
-    view.claim("q", 5)
-    assert view.idle_slots("q") == 0  # never below none
+    assert view.claim("q", 5) == 3  # only what is left
+    assert view.idle_slots("q") == 0 and view.claim("q", 5) == 0
     now[0] += CLAIM_S
     r.hset(keys.WORKERS, "generate@a:1", orjson.dumps({**beat, "last_seen": now[0]}))
     assert view.idle_slots("q") == 8  # a later beat tells again

@@ -80,7 +80,7 @@ class HeldPrompts:
             first = len(self.started)
             batch.extend([self._request(p) for p in self._take(count)], first)
         if self.waiting:
-            self._give_back(min(len(self.waiting), self._peer_idle_slots()))
+            self._give_back()
 
     def finished(self, count: int) -> None:
         self.running -= count
@@ -112,26 +112,21 @@ class HeldPrompts:
         )
         return generate_with_retry(self._ctx.runner, request)
 
-    def _peer_idle_slots(self) -> int:
+    def _give_back(self) -> None:
+        """Give back as many of the last waiting prompts as other workers have idle
+        slots (claimed for them; the first waiting prompts start here as slots free)."""
         ctx = self._ctx
         if ctx.peers is None or ctx.messages is None:
-            return 0
-        return ctx.peers.idle_slots(ctx.spec(self._chunk.job).queue)
-
-    def _give_back(self, count: int) -> None:
-        """Give the last `count` waiting prompts back to the queue (the first of them
-        start here as slots free)."""
+            return
+        queue = ctx.spec(self._chunk.job).queue
+        count = ctx.peers.claim(queue, len(self.waiting))
         if count <= 0:
             return
-        ctx = self._ctx
-        assert ctx.messages is not None and ctx.peers is not None
-        queue = ctx.spec(self._chunk.job).queue
         keep, prompts = self.waiting[:-count], self.waiting[-count:]
         chunks = give_back_unstarted(ctx.redis, ctx.messages, queue, self._lease, self._chunk,
                                      prompts)  # fmt: skip
         self.waiting = keep
         ctx.count_waiting(-count)
-        ctx.peers.claim(queue, count)
         log.info(
             "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
             "(other workers have idle slots)",

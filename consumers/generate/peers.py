@@ -49,18 +49,26 @@ class PeerView:
         """Idle slots of the other live, healthy generate workers consuming `queue`,
         less those this worker recently gave prompts back for."""
         with self._lock:
-            now = self._clock()
-            if now - self._read_at >= CACHE_S:
-                self._idle = self._read(now)
-                self._read_at = now
-            self._claims = [c for c in self._claims if now - c[0] < CLAIM_S]
-            claimed = sum(slots for _, q, slots in self._claims if q == queue)
-            return max(0, self._idle.get(queue, 0) - claimed)
+            return self._unclaimed(queue)
 
-    def claim(self, queue: str, slots: int) -> None:
-        """Prompts were given back for `slots` of the idle slots on `queue`."""
+    def claim(self, queue: str, wanted: int) -> int:
+        """Claim up to `wanted` of the idle slots on `queue` for prompts about to be
+        given back; how many. Read and claimed under one lock, so two deliveries of this
+        worker do not both give prompts for the same slots."""
         with self._lock:
-            self._claims.append((self._clock(), queue, slots))
+            slots = min(wanted, self._unclaimed(queue))
+            if slots > 0:
+                self._claims.append((self._clock(), queue, slots))
+            return slots
+
+    def _unclaimed(self, queue: str) -> int:
+        now = self._clock()
+        if now - self._read_at >= CACHE_S:
+            self._idle = self._read(now)
+            self._read_at = now
+        self._claims = [c for c in self._claims if now - c[0] < CLAIM_S]
+        claimed = sum(slots for _, q, slots in self._claims if q == queue)
+        return max(0, self._idle.get(queue, 0) - claimed)
 
     def _read(self, now: float) -> dict[str, int]:
         idle: dict[str, int] = {}
