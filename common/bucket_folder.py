@@ -14,8 +14,9 @@ the same operations the local folder offers, on a store with no rename and no ap
 
 obstore (Rust's object_store) does the talking: one API with conditional puts on S3,
 GCS and Azure, credentials and endpoints the standard way (AWS_* variables with
-AWS_ENDPOINT_URL for S3-compatible stores, a profile's keys, an instance role; the GCS
-and Azure equivalents), and it streams. Credentials never appear in a URL regen takes or
+AWS_ENDPOINT_URL for S3-compatible stores, a profile's keys, an instance role; AZURE_STORAGE_*
+with AZURE_STORAGE_ENDPOINT; GOOGLE_APPLICATION_CREDENTIALS or a service-account file:
+docs/operations.md lists them), and it streams. Credentials never appear in a URL regen takes or
 prints.
 """
 
@@ -58,8 +59,9 @@ def _check_url(url: str) -> None:
     parts = urlsplit(url)
     if parts.password:  # (abfs://container@account... names no user: allowed)
         raise BucketError(
-            "an object storage URL takes no credentials: give them the standard way "
-            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile or an instance role)"
+            "an object storage URL takes no credentials: give them the standard way, in "
+            "the environment (AWS_*, AZURE_STORAGE_*, GOOGLE_*: docs/operations.md), or a "
+            "profile or an instance role"
         )
     if not parts.netloc:
         raise BucketError(f"{url}: no bucket named")

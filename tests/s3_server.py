@@ -23,6 +23,12 @@ from tests.redis_server import free_port
 class S3Server:
     endpoint: str
     env: dict[str, str]
+    scheme: str = "s3"
+
+    @property
+    def secret(self) -> str:
+        """What must never appear in anything regen prints."""
+        return self.env["AWS_SECRET_ACCESS_KEY"]
 
     def new_bucket(self) -> str:
         """A fresh, empty bucket's name."""

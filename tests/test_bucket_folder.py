@@ -1,11 +1,11 @@
-"""A job folder in object storage, against a real S3 HTTP API (moto's server): create-once
-puts, listings, streamed reads and the manifest as objects (common/bucket_folder.py)."""
+"""A job folder in object storage, against each store's real API (moto's S3 server,
+Azurite, fake-gcs-server: tests/bucket_stores.py): create-once puts, listings, streamed
+reads and the manifest as objects (common/bucket_folder.py)."""
 
 from __future__ import annotations
 
 import os
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +17,14 @@ from regen.common.bucket_folder import (
     ObjectExists,
     is_bucket_url,
 )
-from tests.s3_server import S3Server, s3_server
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with s3_server() as server:
-        yield server
+from tests.azurite_server import ACCOUNT, AzuriteServer
+from tests.bucket_stores import StoreServer, bucket_url, use_store
 
 
 @pytest.fixture
-def folder(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> BucketFolder:
-    for name, value in s3.env.items():
-        monkeypatch.setenv(name, value)
-    return BucketFolder(f"s3://{s3.new_bucket()}/runs/out").child("job-a")
+def folder(store: StoreServer, monkeypatch: pytest.MonkeyPatch) -> BucketFolder:
+    use_store(store, monkeypatch)
+    return BucketFolder(bucket_url(store)).child("job-a")
 
 
 def test_a_name_is_written_once_and_never_replaced(folder: BucketFolder, tmp_path: Path) -> None:
@@ -46,16 +40,16 @@ def test_a_name_is_written_once_and_never_replaced(folder: BucketFolder, tmp_pat
     assert folder.size("shard-000002.jsonl.zst") is None
 
 
-def test_names_list_the_folder_only(folder: BucketFolder, s3: S3Server, tmp_path: Path) -> None:
+def test_names_list_the_folder_only(folder: BucketFolder, tmp_path: Path) -> None:
     source = tmp_path / "x"
     source.write_bytes(b"x")
     for name in ("shard-000002.jsonl.zst", "shard-000001.jsonl.zst"):
         folder.put_new(name, source)
     folder.put_manifest_line("shard-000001.jsonl.zst", b'{"shard":"shard-000001.jsonl.zst"}')
-    bucket = folder.url.split("/")[2]
     # Another job beside it, and an object one level up: neither is this folder's.
-    s3.client().put_object(Bucket=bucket, Key="runs/out/job-b/shard-000009.jsonl.zst", Body=b"")
-    s3.client().put_object(Bucket=bucket, Key="runs/out/shard-000008.jsonl.zst", Body=b"")
+    out = BucketFolder(folder.url.rsplit("/", 1)[0])
+    out.child("job-b").put_new("shard-000009.jsonl.zst", source)
+    out.put_new("shard-000008.jsonl.zst", source)
     assert folder.names() == ["shard-000001.jsonl.zst", "shard-000002.jsonl.zst"]
     assert folder.names("shard-000002") == ["shard-000002.jsonl.zst"]
 
@@ -91,17 +85,34 @@ def test_a_large_object_is_read_in_chunks_with_flat_memory(
 
 
 def test_a_missing_bucket_is_one_line_naming_it_without_secrets(
-    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+    store: StoreServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name, value in s3.env.items():
-        monkeypatch.setenv(name, value)
-    folder = BucketFolder("s3://regen-no-such-bucket/out")
+    use_store(store, monkeypatch)
+    url = f"{store.scheme}://regen-no-such-bucket/out"
+    folder = BucketFolder(url)
     with pytest.raises(BucketError) as caught:
         folder.names()
     message = str(caught.value)
-    assert "s3://regen-no-such-bucket/out" in message
+    assert url in message
     assert "\n" not in message
-    assert s3.env["AWS_SECRET_ACCESS_KEY"] not in message
+    assert store.secret not in message
+
+
+@pytest.mark.parametrize("store", ["az"], indirect=True)
+def test_azurite_is_reached_by_the_emulator_switch_alone(
+    store: AzuriteServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Azure's documented emulator settings: AZURE_STORAGE_USE_EMULATOR (its well-known
+    account and key) and AZURITE_BLOB_STORAGE_URL for an Azurite not on port 10000."""
+    monkeypatch.setenv("AZURE_STORAGE_USE_EMULATOR", "true")
+    monkeypatch.setenv("AZURITE_BLOB_STORAGE_URL", store.endpoint.removesuffix(f"/{ACCOUNT}"))
+    folder = BucketFolder(f"az://{store.new_bucket()}/out")
+    source = tmp_path / "x"
+    source.write_bytes(b"x")
+    folder.put_new("shard-000001.jsonl.zst", source)
+    with pytest.raises(ObjectExists):
+        folder.put_new("shard-000001.jsonl.zst", source)
+    assert folder.names() == ["shard-000001.jsonl.zst"]
 
 
 def test_a_url_with_credentials_is_refused() -> None:

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,17 +20,23 @@ from rich.console import Console
 from regen.common import dlq, jobspec, keys, provenance
 from regen.consumers.tokenize import job_writer
 from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions, free_bytes
-from regen.consumers.tokenize.job_writer import ShardPolicy
+from regen.consumers.tokenize.consumer import free_bytes
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.ops.shards_inspect import verify
 from regen.ops.status_snapshot import job_status
 from regen.producer.spec import JobOptions, prepare_job
 from regen.status_view import job_table
-from tests.helpers import committed_count, make_result, wait_for
-
-REPO = Path(__file__).resolve().parents[1]
-FAST = ShardPolicy(max_rows=25, max_age_s=30, idle_s=0.3)
+from tests.helpers import make_result, wait_for
+from tests.tokenize_harness import (
+    HEARTBEAT_STALE_S,
+    REPO,
+    InProcess,
+    options,
+    push,
+    settled,
+    stop_worker,
+    tokenize_worker,
+)
 
 
 @pytest.fixture
@@ -40,54 +45,14 @@ def spec(r: redis.Redis) -> jobspec.JobSpec:
     return jobspec.save(r, prepared.spec)
 
 
-def push(r: redis.Redis, results: list[Any]) -> None:
-    for result in results:
-        r.xadd(keys.results_stream(result.job), result.to_fields())
-
-
 def shard_ids(folder: Path) -> list[str]:
     return [rec["id"] for shard in shard_paths(folder)
             for rec in iter_records(shard)]  # fmt: skip
 
 
-def settled(r: redis.Redis, job: str, expected: int) -> bool:
-    """Every result committed or dead-lettered and nothing left on the stream."""
-    done = r.hlen(keys.shards(job)) and not r.hlen(keys.pending_shards(job))
-    in_dlq = dlq.count(r, job, "tokenize")
-    return (
-        bool(done)
-        and committed_count(r, job) + in_dlq == expected
-        and not r.xlen(keys.results_stream(job))
-    )
-
-
-class InProcess:
-    """A TokenizeConsumer on a thread of the test process."""
-
-    def __init__(self, r: redis.Redis, options: TokenizeOptions, name: str) -> None:
-        self.consumer = TokenizeConsumer(r, options, name)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.consumer.run, args=(self.stop,))
-
-    def __enter__(self) -> InProcess:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=60)
-
-
 @pytest.fixture
 def out(tmp_path: Path) -> Path:
     return tmp_path / "out"
-
-
-def options(out: Path, **overrides: Any) -> TokenizeOptions:
-    values: dict[str, Any] = {"out_dir": out, "policy": FAST, "min_free_bytes": 0,
-                              "block_ms": 100, "claim_idle_s": 2.0}  # fmt: skip
-    values.update(overrides)
-    return TokenizeOptions(**values)
 
 
 def test_records_are_token_exact_and_written_once(
@@ -127,32 +92,6 @@ def test_a_failing_check_dead_letters_only_that_result(
     assert letter.prompt_id == bad.id and letter.reason == "text_mismatch"
 
 
-# Shortened from 120 s and 60 s: a claim's lease, and how old a heartbeat is when its
-# consumer counts as dead (beats come every quarter of it).
-SHARD_LEASE_S, HEARTBEAT_STALE_S = 4, 3
-
-
-def _worker(url: str, out: Path, crashpoint: str | None = None,
-            extra: tuple[str, ...] = ("--claim-idle", "3")) -> subprocess.Popen[bytes]:  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "REGEN_SHARD_LEASE_S": str(SHARD_LEASE_S),
-           "REGEN_HEARTBEAT_STALE_S": str(HEARTBEAT_STALE_S)}  # fmt: skip
-    env.pop("REGEN_CRASHPOINT", None)
-    if crashpoint:
-        env["REGEN_CRASHPOINT"] = crashpoint
-    return subprocess.Popen(
-        [sys.executable, "-m", "regen", "worker", "tokenize", "--out", str(out),
-         "--redis-url", url, "--shard-rows", "25", "--idle-commit", "0.3",
-         "--min-free-mb", "0", *extra],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "crashpoint",
@@ -165,16 +104,16 @@ def test_a_tokenizer_killed_at_any_point_loses_and_duplicates_nothing(
 ) -> None:  # fmt: skip
     results = [make_result(smollm2_tokenizer, spec, i) for i in range(70)]
     push(r, results)
-    doomed = _worker(redis_url, out, crashpoint=crashpoint)
+    doomed = tokenize_worker(redis_url, out, crashpoint=crashpoint)
     doomed.wait(timeout=120)
     assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read().decode()  # type: ignore[union-attr]
     push(r, results[:10])  # redelivered results arrive meanwhile too
 
-    survivor = _worker(redis_url, out)
+    survivor = tokenize_worker(redis_url, out)
     try:
         wait_for(lambda: settled(r, "t", 70), timeout=120, what="recovery and commit")
     finally:
-        _stop(survivor)
+        stop_worker(survivor)
     folder = out / "t"
     ids = shard_ids(folder)
     assert sorted(ids) == sorted(res.id for res in results), "lost or duplicated ids"
@@ -196,7 +135,7 @@ def test_a_consumer_killed_twice_has_its_results_taken_over_by_heartbeat(
     dead = []
     for batch in (results[:40], results[40:]):
         push(r, batch)
-        doomed = _worker(redis_url, out, crashpoint="tokenize.mid_shard", extra=())
+        doomed = tokenize_worker(redis_url, out, crashpoint="tokenize.mid_shard", extra=())
         doomed.wait(timeout=120)
         assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read().decode()  # type: ignore[union-attr]
         dead.append(_consumer(doomed))
@@ -209,14 +148,14 @@ def test_a_consumer_killed_twice_has_its_results_taken_over_by_heartbeat(
 
     assert sum(group().get(name, 0) for name in dead) > 0, "nothing left to take over"
     started = time.time()
-    survivor = _worker(redis_url, out, extra=())
+    survivor = tokenize_worker(redis_url, out, extra=())
     try:
         wait_for(lambda: not set(dead) & set(group()), timeout=90,
                  what="the dead consumers' results taken over")  # fmt: skip
         taken_at = time.time()
         wait_for(lambda: settled(r, "t", 80), timeout=120, what="all results committed")
     finally:
-        _stop(survivor)
+        stop_worker(survivor)
     # Dead = a heartbeat older than the stale time; looked for every quarter of it, once
     # the survivor runs (its start, with the tokenizer load, gets the slack).
     due = max(started, *(beat + HEARTBEAT_STALE_S for beat in beats.values()))
@@ -231,7 +170,7 @@ def test_two_consumers_share_a_job_without_loss_or_duplicates(
     out: Path, tmp_path: Path,
 ) -> None:  # fmt: skip
     results = [make_result(smollm2_tokenizer, spec, i) for i in range(200)]
-    workers = [_worker(redis_url, out) for _ in range(2)]
+    workers = [tokenize_worker(redis_url, out) for _ in range(2)]
     try:
         for start in range(0, 200, 20):
             push(r, results[start : start + 20])
@@ -239,7 +178,7 @@ def test_two_consumers_share_a_job_without_loss_or_duplicates(
         wait_for(lambda: settled(r, "t", 200), timeout=180, what="both consumers done")
     finally:
         for worker in workers:
-            _stop(worker)
+            stop_worker(worker)
     ids = shard_ids(out / "t")
     assert len(ids) == len(set(ids)) == 200
     beats = r.hgetall(keys.WORKERS)
