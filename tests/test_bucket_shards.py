@@ -23,6 +23,7 @@ from regen.consumers.tokenize.shard_files import iter_records
 from regen.producer.job_ids import JobIds
 from tests.bucket_stores import KINDS, StoreServer, bucket_url, use_store
 from tests.helpers import committed_count, make_result, wait_for
+from tests.specforge_loader import specforge_prompts
 from tests.test_redis_restore import dump_all, restore_all
 from tests.tokenize_harness import (
     InProcess,
@@ -95,7 +96,17 @@ def test_shards_land_in_the_bucket_once_and_every_reader_reads_them(
     export = CliRunner().invoke(main, ["shards", "export", out, "--format", "specforge",
                                        "--out", str(exported)])  # fmt: skip
     assert export.exit_code == 0, export.output
-    assert len(exported.read_bytes().splitlines()) == 60
+    # SpecForge's own reader trains on every record of the bucket, whole and once.
+    assert specforge_prompts(exported) == [
+        (record["input_ids"], record["loss_mask"])
+        for shard in folder.shards()
+        for record in iter_records(shard)
+    ]
+    assert sorted(specforge_prompts(exported)) == sorted(
+        (result.prompt_ids + result.output_ids,
+         [0] * len(result.prompt_ids) + [1] * len(result.output_ids))
+        for result in results
+    )  # fmt: skip
     hf = CliRunner().invoke(main, ["shards", "export", out, "--format", "hf", "--out",
                                    str(tmp_path / "ds")])  # fmt: skip
     assert hf.exit_code == 0, hf.output

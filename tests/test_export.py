@@ -27,6 +27,7 @@ from regen.ops.export import (
     heldout_path,
 )
 from regen.ops.export_order import held_out, shuffle_key, sort_by_key
+from tests.specforge_loader import specforge_prompts
 from tests.test_shards_inspect import USER, make_record, write_shard
 
 datasets = pytest.importorskip("datasets")
@@ -117,6 +118,10 @@ def test_specforge_rows_are_the_shards(out_dir: Path, tmp_path: Path) -> None:
     rows = load_specforge(out)
     assert ids_and_masks(rows) == ids_and_masks(all_records(out_dir))
     assert {key for row in rows for key in row} == {"id", "input_ids", "loss_mask"}
+    # SpecForge's own reader trains on every record, whole.
+    assert specforge_prompts(out) == [
+        (record["input_ids"], record["loss_mask"]) for record in all_records(out_dir)
+    ]
     assert (summary.written, summary.cut, summary.dropped.total()) == (75, 0, 0)
     assert not list(tmp_path.glob(".*.tmp"))
 
