@@ -16,7 +16,7 @@ import redis
 from click.testing import CliRunner
 
 from regen.cli import main
-from regen.common import jobspec, keys
+from regen.common import dlq, jobspec, keys
 from regen.consumers.tokenize.job_folder import BucketJobFolder, folder_at
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.shard_files import iter_records
@@ -221,3 +221,67 @@ def test_workers_with_spools_of_their_own_share_a_bucket_each_record_once(
     assert opened == ["host-0", "host-1", "host-2"], "a worker never took the job up"
     files = regen(redis_url, "shards", "verify", out)
     assert files.exit_code == 0, files.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("store", "survivor"),
+    [("s3", "after_the_rollback"), ("az", "after_the_rollback"), ("s3", "through_the_rollback")],
+    indirect=["store"],
+)
+def test_a_kill_mid_commit_and_a_redis_rollback_in_one_job_leave_every_id_once(
+    redis_url: str, r: redis.Redis, spec: jobspec.JobSpec, smollm2_tokenizer: Any, out: str,
+    survivor: str,
+) -> None:  # fmt: skip
+    """The issue's end state, both faults in one job: a tokenize worker SIGKILLed between
+    its shard's put and its manifest object, and Redis restored from a copy taken before
+    both, then the results after the copy delivered again with new ones. The next worker
+    starts after the rollback (it finds Redis behind at once: the dead worker's claim is
+    forgotten too, and its shard is rebuilt from an object with no manifest object), or
+    runs through it (it finishes the dead worker's commit, then Redis hands it a shard
+    name the bucket holds: the create-once put refuses it). Every id ends in one shard
+    record, no object is replaced, and both verifies pass on the bucket."""
+    results = [make_result(smollm2_tokenizer, spec, i) for i in range(100)]
+    JobIds(r, JOB).add([result.id for result in results])  # as its enqueue would have
+    first = tokenize_worker(redis_url, out)
+    try:
+        push(r, results[:25])
+        wait_for(lambda: settled(r, JOB, 25), timeout=120, what="a first shard")
+        copy = dump_all(r)  # the backup, or a replica that lagged
+        push(r, results[25:50])
+        wait_for(lambda: settled(r, JOB, 50), timeout=120, what="a shard after the copy")
+    finally:
+        stop_worker(first)
+    push(r, results[50:75])
+    doomed = tokenize_worker(redis_url, out, crashpoint="tokenize.after_rename")
+    doomed.wait(timeout=120)
+    assert doomed.returncode == -signal.SIGKILL, doomed.stderr.read().decode()  # type: ignore[union-attr]
+    folder = folder_at(f"{out}/{JOB}")
+    before = {shard.name: shard.size() for shard in folder.shards()}
+    unlisted = set(before) - set(folder.manifest().shards)
+    assert len(unlisted) == 1, f"no shard put without its manifest object: {sorted(before)}"
+
+    next_worker = None
+    if survivor == "through_the_rollback":
+        next_worker = tokenize_worker(redis_url, out)
+        wait_for(lambda: settled(r, JOB, 75), timeout=120, what="the killed commit finished")
+    restore_all(r, copy)  # Redis knows only the shard before the copy
+    push(r, results[25:])  # what it forgot, generated again, and new work
+    next_worker = next_worker or tokenize_worker(redis_url, out)
+    try:
+        wait_for(lambda: settled(r, JOB, 100), timeout=180, what="recovery and commit")
+    finally:
+        stop_worker(next_worker)
+
+    assert int(r.get(keys.job_epoch(JOB)) or 0) > 1, "the ledger was not rebuilt"
+    after = {shard.name: shard.size() for shard in folder.shards()}
+    assert {name: after.get(name) for name in before} == before, "a committed object replaced"
+    ids = bucket_ids(out)
+    assert len(ids) == len(set(ids)) == 100, "an id lost or twice in the bucket"
+    assert set(ids) == {result.id for result in results}
+    assert dlq.count(r, JOB, "tokenize") == 0
+    assert set(folder.manifest().shards) == set(after), "a shard without its manifest line"
+    files = regen(redis_url, "shards", "verify", out)
+    assert files.exit_code == 0, files.output
+    verified = regen(redis_url, "verify", "--job", JOB)
+    assert verified.exit_code == 0, verified.output
