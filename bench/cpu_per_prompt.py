@@ -22,7 +22,16 @@ then. Run from the repository root:
     python bench/cpu_per_prompt.py [--prompts 20000] [--rounds 3] [--py-spy DIR]
 
 `--py-spy DIR` also samples each stage of the first round with py-spy (on PATH) into
-DIR/STAGE.txt, collapsed stacks of the threads holding the GIL (where Python spends CPU).
+DIR/STAGE-N.txt, collapsed stacks of the threads holding the GIL (where Python spends CPU).
+
+`--fleet` runs the same jobs on a mixed fleet instead: two stand-ins of 32 slots, one 16x
+slower than the other (FLEET_MS_PER_TOKEN: 16x), one generate worker each. Prompts then wait in
+the slow worker while the fast one has idle slots, so unstarted prompts are given back
+(docs/design.md, "Only what can start soon"): the run shows what that costs per prompt in
+CPU and in Redis commands.
+
+Each round also prints Redis's commands per prompt (every client's, heartbeats and idle
+polls included) and the bytes the job leaves in Redis per prompt once committed.
 
 The target is <= 1 ms summed over the stages.
 """
@@ -37,6 +46,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -47,9 +58,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from regen.common import defaults, keys  # noqa: E402
-from tests.generate_harness import Worker  # noqa: E402
+from tests.generate_harness import Worker, attempts  # noqa: E402
 from tests.redis_server import running_redis  # noqa: E402
-from tests.sglang_standin.process import run_standin  # noqa: E402
+from tests.sglang_standin.process import StandinHandle, run_standin  # noqa: E402
 
 WARMUP_PROMPTS = 128
 # The workers run with regen's own lease and sweep settings, not the tests' short ones.
@@ -61,6 +72,9 @@ PRODUCT_SETTINGS = {
 }
 TIMEOUT_S = 1800.0
 STAGES = ("producer", "generate", "tokenize")
+# --fleet: ms per token of each server; 16-token answers take 32 and 512 ms on 32 slots.
+FLEET_MS_PER_TOKEN = (2.0, 32.0)
+FLEET_SLOTS = 32
 
 
 def reference_loop_ms() -> float:
@@ -131,35 +145,48 @@ def enqueue(url: str, rows: Path, job: str, log: Path) -> Stage:
     return Stage(popen, log)
 
 
+def standins(args: argparse.Namespace) -> list[AbstractContextManager[StandinHandle]]:
+    """One instant server with room for everything, or the --fleet's two slot-bound ones."""
+    dist = f"fixed:n={args.output_tokens}"
+    if not args.fleet:
+        return [run_standin(max_running_requests=4096, decode_tokens_per_s=0.0,
+                            output_len_dist=dist)]  # fmt: skip
+    return [run_standin(max_running_requests=FLEET_SLOTS, decode_tokens_per_s=1000.0 / ms,
+                        output_len_dist=dist) for ms in FLEET_MS_PER_TOKEN]  # fmt: skip
+
+
 def run(args: argparse.Namespace, tmp: Path) -> None:
     with (
         running_redis(tmp / "redis") as redis_server,
-        run_standin(
-            max_running_requests=4096,
-            decode_tokens_per_s=0.0,
-            output_len_dist=f"fixed:n={args.output_tokens}",
-        ) as server,
-        Worker(redis_server.url, tmp, "--engine", "sglang", "--server", server.url,
-               env=PRODUCT_SETTINGS) as generate,
-        Worker(redis_server.url, tmp, "--out", str(tmp / "out"), "--idle-commit", "0.5",
-               env=PRODUCT_SETTINGS, kind="tokenize") as tokenize,
-    ):  # fmt: skip
+        ExitStack() as stack,
+    ):
+        servers = [stack.enter_context(standin) for standin in standins(args)]
         url = redis_server.url
+        generate = [stack.enter_context(Worker(url, tmp, "--engine", "sglang", "--server",
+                                               server.url, env=PRODUCT_SETTINGS))
+                    for server in servers]  # fmt: skip
+        tokenize = stack.enter_context(
+            Worker(url, tmp, "--out", str(tmp / "out"), "--idle-commit", "0.5",
+                   env=PRODUCT_SETTINGS, kind="tokenize")
+        )  # fmt: skip
         r = redis.Redis.from_url(url)
-        workers = {worker.kind: Stage(worker.process, worker.log_path)
-                   for worker in (generate, tokenize)}  # fmt: skip
-        # A warm-up job: both workers have found jobs and loaded the tokenizer.
+        workers = [(worker.kind, Stage(worker.process, worker.log_path))
+                   for worker in (*generate, tokenize)]  # fmt: skip
+        # A warm-up job: the workers have found jobs and loaded the tokenizer.
         warm = enqueue(url, write_rows(tmp / "warm.jsonl", WARMUP_PROMPTS, "Warm-up"),
                        "warmup", tmp / "warmup.log")  # fmt: skip
         warm.popen.wait()
 
         def warmed() -> bool:
-            for stage in workers.values():
+            for _, stage in workers:
                 stage.check_alive()
             return committed(r, "warmup") == WARMUP_PROMPTS
 
         wait_until(warmed, "the warm-up job")
-        print(f"{args.prompts} prompts a round, drift check on, near-zero-latency stand-in")
+        fleet = (f"a fleet of {len(servers)} servers of {FLEET_SLOTS} slots at "
+                 f"{', '.join(f'{ms:g}' for ms in FLEET_MS_PER_TOKEN)} ms per token"
+                 if args.fleet else "one near-zero-latency stand-in")  # fmt: skip
+        print(f"{args.prompts} prompts a round, drift check on, {fleet}")
         rounds = []
         for number in range(1, args.rounds + 1):
             reference = reference_loop_ms()
@@ -170,7 +197,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             rounds.append(cpu)
         median = {name: statistics.median(cpu[name] for cpu in rounds) for name in STAGES}
         report(f"median of {args.rounds} rounds", args.prompts, median)
-        print(f"  stand-in: {server.stats()['connections_total']} connections opened")
+        opened = sum(server.stats()["connections_total"] for server in servers)
+        print(f"  stand-ins: {opened} connections opened")
 
 
 def measure(
@@ -178,19 +206,20 @@ def measure(
     tmp: Path,
     url: str,
     r: redis.Redis,
-    workers: dict[str, Stage],
+    workers: list[tuple[str, Stage]],
     job: str,
     profile: Path | None,
 ) -> dict[str, float]:
     """One job of args.prompts prompts: CPU seconds of each stage."""
     rows = write_rows(tmp / f"{job}.jsonl", args.prompts, f"Prompt of {job}")
-    before = {name: stage.cpu() for name, stage in workers.items()}
+    before = [stage.cpu() for _, stage in workers]
+    redis_before = RedisCost.read(r)
     started = time.monotonic()
     producer = enqueue(url, rows, job, tmp / f"{job}.log")
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
-        for name, stage in {"producer": producer, **workers}.items():
-            stage.sample(profile / f"{name}.txt")
+        for index, (name, stage) in enumerate([("producer", producer), *workers]):
+            stage.sample(profile / f"{name}-{index}.txt")
     wait_until(lambda: bool(r.hlen(keys.job_chunks(job))) or producer.popen.poll() is not None,
                "the first chunk", poll_s=0.005)  # fmt: skip
     producer_start_up = producer.cpu()
@@ -202,16 +231,41 @@ def measure(
     producer_total = usage.ru_utime + usage.ru_stime
 
     def done() -> bool:
-        for stage in workers.values():
+        for _, stage in workers:
             stage.check_alive()
         return committed(r, job) >= args.prompts
 
     wait_until(done, "every prompt committed")
     wall = time.monotonic() - started
+    redis_cost = RedisCost.read(r) - redis_before
     print(f"  {job}: producer start-up {producer_start_up:.2f} s CPU (not counted), "
           f"wall {wall:.1f} s = {args.prompts / wall:.0f} prompts/s (shared cores)")  # fmt: skip
-    cpu = {name: stage.cpu() - before[name] for name, stage in workers.items()}
-    return {"producer": producer_total - producer_start_up, **cpu}
+    chunks = [raw.decode() for raw in r.hkeys(keys.job_chunks(job))]
+    given_back = sum(a["status"] != "done" for chunk in chunks for a in attempts(r, job, chunk))
+    print(f"  Redis: {redis_cost.commands / args.prompts:.1f} commands and "
+          f"{redis_cost.memory / args.prompts:.1f} B left per prompt; "
+          f"{given_back} of {len(chunks)} chunks' deliveries gave prompts back")  # fmt: skip
+    cpu = {name: 0.0 for name in STAGES}
+    cpu["producer"] = producer_total - producer_start_up
+    for (name, stage), cpu_before in zip(workers, before, strict=True):
+        cpu[name] += stage.cpu() - cpu_before
+    return cpu
+
+
+@dataclass(frozen=True)
+class RedisCost:
+    """Redis's commands processed (every client's) and memory in use."""
+
+    commands: int
+    memory: int
+
+    @classmethod
+    def read(cls, r: redis.Redis) -> RedisCost:
+        stats, memory = r.info("stats"), r.info("memory")
+        return cls(int(stats["total_commands_processed"]), int(memory["used_memory"]))
+
+    def __sub__(self, other: RedisCost) -> RedisCost:
+        return RedisCost(self.commands - other.commands, self.memory - other.memory)
 
 
 def report(title: str, n: int, cpu: dict[str, float]) -> None:
@@ -229,6 +283,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="jobs measured, one after another")
     parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--py-spy", type=Path, help="also profile each stage into this folder")
+    parser.add_argument("--fleet", action="store_true",
+                        help="two slot-bound servers, one 16x slower, a worker each")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="regen-cpu-bench-") as tmp:
         run(args, Path(tmp))

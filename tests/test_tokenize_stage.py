@@ -18,6 +18,7 @@ import redis
 from rich.console import Console
 
 from regen.common import dlq, jobspec, keys, provenance
+from regen.consumers.tokenize import consumer as tokenize_consumer
 from regen.consumers.tokenize import job_writer
 from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.consumer import free_bytes
@@ -339,3 +340,37 @@ def test_a_claim_redis_loses_before_its_shard_is_placed_places_nothing(
     assert sorted(shard_ids(folder)) == sorted(res.id for res in results)
     assert ledger.unknown_shards([path.name for path in shard_paths(folder)]) == []
     assert verify(folder) == []
+
+
+class SteppedClock:
+    """The consumer module's `time`: monotonic() moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def time(self) -> float:  # wall-clock reads (heartbeats' ages) stay real
+        return time.time()
+
+
+def test_a_worker_busy_with_one_job_takes_up_a_new_one_within_seconds(
+    r: redis.Redis, spec: jobspec.JobSpec, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = SteppedClock()
+    monkeypatch.setattr(tokenize_consumer, "time", clock)
+    consumer = tokenize_consumer.TokenizeConsumer(r, options(out), "c1")
+    consumer.step()
+    assert set(consumer.state.writers) == {"t"}
+    second = prepare_job(JobOptions(job="second", model="smollm2", max_new_tokens=64))
+    jobspec.save(r, second.spec)
+    # Well inside the recovery pass's interval (30 s at the product's shard lease), which
+    # is when a worker that had a job used to look for new ones.
+    clock.now += tokenize_consumer.JOB_DISCOVERY_S
+    assert tokenize_consumer.JOB_DISCOVERY_S * 5 < tokenize_consumer.RECOVER_INTERVAL_S
+    consumer.step()
+    assert set(consumer.state.writers) == {"t", "second"}

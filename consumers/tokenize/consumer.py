@@ -50,6 +50,9 @@ log = logging.getLogger("regen.tokenize")
 # Pending shards are looked at this often; within a claim's life, so a dead consumer's claims
 # are resolved soon after they expire.
 RECOVER_INTERVAL_S = min(30.0, settings.current().shard_lease_s / 2)
+# A new job is looked for this often (one SMEMBERS), apart from the recovery pass: its
+# results would otherwise wait up to RECOVER_INTERVAL_S on a worker busy with another job.
+JOB_DISCOVERY_S = 2.0
 DISK_POLL_S = 2.0
 
 
@@ -123,6 +126,7 @@ class TokenizeConsumer:
         self.state = ConsumerState()
         self._last_seen: dict[str, float] = {}
         self._next_recover = 0.0
+        self._next_discovery = 0.0
         self._next_claim = 0.0
         self._next_takeover = 0.0
         self._refused: set[str] = set()
@@ -243,9 +247,11 @@ class TokenizeConsumer:
         if self._groups_lost:
             self._recreate_groups()
         now = time.monotonic()
+        if now >= self._next_discovery:
+            self._next_discovery = now + JOB_DISCOVERY_S
+            self._refresh_jobs()
         if now >= self._next_recover:
             self._next_recover = now + RECOVER_INTERVAL_S
-            self._refresh_jobs()
             live = self._live_owners()
             for writer in list(self.state.writers.values()):
                 try:
@@ -259,7 +265,7 @@ class TokenizeConsumer:
             return
         if not self.state.writers:
             time.sleep(self._options.block_ms / 1000)
-            self._next_recover = 0.0
+            self._next_discovery = 0.0
             return
         if now >= self._next_takeover:
             self._next_takeover = now + settings.current().heartbeat_interval_s
@@ -337,7 +343,7 @@ class TokenizeConsumer:
         log.error("%s", exc)
         folder = job_folder(self._options.out_dir, job)
         if recover_behind(self._r, job, folder, self.name) is not None:
-            self._next_recover = 0.0
+            self._next_discovery = 0.0
 
     def _take_over_dead(self) -> None:
         beats = last_seen(self._r)
