@@ -20,19 +20,26 @@ config says 8,192).
 
 Figures per tool:
 - wall: from the tool's start to its last record written. regen: from `regen enqueue`,
-  the workers started at the same instant, to the last shard's manifest time (the last
+  the workers started at the same instant (on a fleet, see `--first`), to the last
+  shard's manifest time (the last
   record committed by the tokenize worker). SpecForge: from its start to its output
   file's last write (then it exits);
 - span: the servers' first request start to last answer end (the stand-ins' slot logs);
-- util: busy slot time / (slots x servers x span), and per server;
+- util: busy slot time / (slots x servers x span), and per server; per server also the
+  answers it gave and when its last one ended (from the tool's start);
 - cpu: user+sys of the tool's processes (regen: enqueue, workers and their children);
 - overhead: wall - span; start: first request - tool start; end: last record - last
   answer.
 
 Runs: `one` (one server at 20 ms per token) and `two-speed` (20 and 80 ms per token;
 regen one generate worker per server; SpecForge both `--server-address` values), 264
-prompts each. Full scale, `one` takes ~7 minutes per tool, `two-speed` ~5 minutes for
-regen and ~18 for SpecForge. `--scale 10` divides answer lengths by 10 (under a minute a
+prompts each. `--first` (two-speed, regen's side): `fast` or `slow` starts that
+server's generate worker (and the tokenize worker) at the enqueue's instant and the
+other once the first holds a chunk (as bench/long_generations.py starts its fleets), so
+which worker meets the queue alone is known, not a race between two start-ups; `both`
+(the default) runs regen's side twice, once each way, against one SpecForge run. Full
+scale, `one` takes ~7 minutes per tool, `two-speed` ~5 minutes per regen side and ~18
+for SpecForge. `--scale 10` divides answer lengths by 10 (under a minute a
 tool; tests/test_specforge_side_by_side.py runs it).
 
 SpecForge's script is not in the `specforge` wheel: point `--specforge-script` at
@@ -42,7 +49,8 @@ SpecForge's script is not in the `specforge` wheel: point `--specforge-script` a
 
     python bench/specforge_side_by_side.py \\
         --specforge-script ~/SpecForge/scripts/regenerate_train_data.py \\
-        [--specforge-python ~/sf-env/bin/python] [--runs one,two-speed] [--scale 1]
+        [--specforge-python ~/sf-env/bin/python] [--runs one,two-speed] [--scale 1] \\
+        [--first fast|slow|both]
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from math import nan
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +79,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from long_generations import CONTEXT_LENGTH, standins  # noqa: E402
 
-from regen.common import defaults  # noqa: E402
+from regen.common import defaults, keys  # noqa: E402
 from regen.common.chat_family import render_prompt_ids  # noqa: E402
 from regen.common.tokenizer import load_tokenizer  # noqa: E402
 from regen.consumers.tokenize.commit_ledger import CommitLedger  # noqa: E402
@@ -80,6 +89,8 @@ from tests.redis_server import running_redis  # noqa: E402
 from tests.sglang_standin.process import StandinHandle  # noqa: E402
 
 RUNS = ("one", "two-speed")
+# Which regen generate worker starts first on a fleet (see the module doc).
+FIRST = ("fast", "slow", "both")
 TOOLS = ("regen", "specforge")
 JOB = "sbs"
 MODEL = "smollm2"
@@ -96,6 +107,7 @@ TIMEOUT_S = 3 * 3600.0
 class Side:
     tool: str
     run: str
+    first: str  # whose regen worker started first (`--first`); "-": one server, SpecForge
     prompts: int
     records: int  # records written (regen: committed to shards; SpecForge: success rows)
     answered_once: bool  # every prompt completed exactly once on the servers
@@ -107,6 +119,11 @@ class Side:
     cpu_s: float
     start_s: float
     end_s: float
+    # Per server (the fast one first): its first request and its last answer's end,
+    # from the tool's start (NaN: none), and the job's answers it gave.
+    first_request_s: list[float]
+    last_answer_s: list[float]
+    answers_per_server: list[int]
     other_requests: int  # requests not for a job prompt (SpecForge's one-token probe)
     aborted: int
     # (prompt hash, output tokens) of each answer, to check both sides did the same work.
@@ -128,6 +145,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=32, help="running slots per server")
     parser.add_argument("--ms-per-token", type=float, default=20.0)
     parser.add_argument("--slow-ms-per-token", type=float, default=80.0, help="two-speed")
+    parser.add_argument(
+        "--first", choices=FIRST, default="both", help="fleets: whose regen worker starts first"
+    )
     parser.add_argument("--mean-tokens", type=float, default=2000.0)
     parser.add_argument("--sigma", type=float, default=0.8, help="lognormal spread")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -149,28 +169,45 @@ def main() -> None:
 
 
 def compare(name: str, tools: list[str], args: argparse.Namespace) -> list[Side]:
-    """Run each tool on `name`'s fleet, one after the other; print each, then ratios."""
+    """Run each tool on `name`'s fleet, one after the other (regen once per worker
+    start order on a fleet); print each, then each regen side against SpecForge's."""
     if name not in RUNS:
         raise SystemExit(f"unknown run {name!r}: one of {RUNS}")
-    sides = [run_side(tool, name, args) for tool in tools]
+    sides = [
+        run_side(tool, name, first, args)
+        for tool in tools
+        for first in (regen_orders(name, args.first) if tool == "regen" else ["-"])
+    ]
     for side in sides:
         report(side, args)
-    if len(sides) == 2:
-        regen_side, sf = sides
-        same = regen_side.work == sf.work
-        print(
-            f"{name:>9}: regen / SpecForge: wall {regen_side.wall_s / sf.wall_s:.2f}x, "
-            f"span {regen_side.span_s / sf.span_s:.3f}x, "
-            f"util {regen_side.util:.3f} vs {sf.util:.3f}, "
-            f"cpu {regen_side.cpu_s:.0f} s vs {sf.cpu_s:.0f} s, "
-            f"overhead {regen_side.overhead_s:.1f} s vs {sf.overhead_s:.1f} s; "
-            f"same work (prompt ids and answer tokens): {'yes' if same else 'NO'}",
-            flush=True,
-        )
+    for sf in (s for s in sides if s.tool == "specforge"):
+        for regen_side in (s for s in sides if s.tool == "regen"):
+            same = regen_side.work == sf.work
+            print(
+                f"{name:>9}: regen{order_note(regen_side)} / SpecForge: "
+                f"wall {regen_side.wall_s / sf.wall_s:.2f}x, "
+                f"span {regen_side.span_s / sf.span_s:.3f}x, "
+                f"util {regen_side.util:.3f} vs {sf.util:.3f}, "
+                f"cpu {regen_side.cpu_s:.0f} s vs {sf.cpu_s:.0f} s, "
+                f"overhead {regen_side.overhead_s:.1f} s vs {sf.overhead_s:.1f} s; "
+                f"same work (prompt ids and answer tokens): {'yes' if same else 'NO'}",
+                flush=True,
+            )
     return sides
 
 
-def run_side(tool: str, name: str, args: argparse.Namespace) -> Side:
+def order_note(side: Side) -> str:
+    return f" ({side.first} first)" if side.first != "-" else ""
+
+
+def regen_orders(name: str, first: str) -> list[str]:
+    """Whose worker starts first in each regen side of run `name`."""
+    if name == "one":
+        return ["-"]
+    return ["fast", "slow"] if first == "both" else [first]
+
+
+def run_side(tool: str, name: str, first: str, args: argparse.Namespace) -> Side:
     speeds = [args.ms_per_token] + ([args.slow_ms_per_token] if name == "two-speed" else [])
     mean = args.mean_tokens / args.scale
     longest = int(mean * 8)
@@ -180,13 +217,14 @@ def run_side(tool: str, name: str, args: argparse.Namespace) -> Side:
         rows, prompt_keys = write_rows(tmp / "rows.jsonl", args.prompts)
         servers = stack.enter_context(standins(speeds, args.slots, dist))
         if tool == "regen":
-            started, last_record, records, cpu_s = run_regen(stack, tmp, rows, servers, longest)
+            order = first_order(servers, first)
+            started, last_record, records, cpu_s = run_regen(stack, tmp, rows, order, longest)
         else:
             started, last_record, records, cpu_s = run_specforge(tmp, rows, servers, longest, args)
         logs = [server.slot_log() for server in servers]
         aborted = sum(int(server.stats()["aborted_total"]) for server in servers)
     return measure(
-        tool, name, args, prompt_keys, logs, started, last_record, records, cpu_s, aborted
+        tool, name, first, args, prompt_keys, logs, started, last_record, records, cpu_s, aborted
     )
 
 
@@ -194,20 +232,30 @@ def write_rows(path: Path, prompts: int) -> tuple[Path, set[int]]:
     """The input both tools read, and the slot-log key of each of its prompts: the hash
     of the ids SGLang's chat path renders (tests/sglang_standin/scheduler.py)."""
     tokenizer = load_tokenizer(MODEL)
-    rows, keys = [], set()
+    rows, hashes = [], set()
     for i in range(prompts):
         messages = [{"role": "user", "content": f"Long prompt {i}: explain item {i} in depth."}]
         rows.append(orjson.dumps({"id": f"p{i}", "conversations": messages}) + b"\n")
-        keys.add(hash(tuple(render_prompt_ids(tokenizer, messages, {}))))
+        hashes.add(hash(tuple(render_prompt_ids(tokenizer, messages, {}))))
     path.write_bytes(b"".join(rows))
-    return path, keys
+    return path, hashes
+
+
+def first_order(servers: list[StandinHandle], first: str) -> list[list[StandinHandle]]:
+    """The servers whose regen workers start together, group after group: the fast
+    server is servers[0], the slow one the last."""
+    if first == "-" or len(servers) == 1:
+        return [servers]
+    lead = servers[0] if first == "fast" else servers[-1]
+    return [[lead], [s for s in servers if s is not lead]]
 
 
 def run_regen(
-    stack: ExitStack, tmp: Path, rows: Path, servers: list[StandinHandle], longest: int
+    stack: ExitStack, tmp: Path, rows: Path, order: list[list[StandinHandle]], longest: int
 ) -> tuple[float, float, int, float]:
-    """(start, last record committed, records, CPU seconds): `regen enqueue` and the
-    workers all start at the same instant, as a user who launches them together."""
+    """(start, last record committed, records, CPU seconds): `regen enqueue`, the
+    tokenize worker and the first group's generate workers start at the same instant, as
+    a user who launches them together; each later group once a worker holds a chunk."""
     url = stack.enter_context(running_redis(tmp / "redis")).url
     out = tmp / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO), **DEFAULT_DELIVERY}
@@ -219,32 +267,50 @@ def run_regen(
     started = time.time()
     with open(tmp / "enqueue.log", "wb") as log:
         enqueue = subprocess.Popen(enqueue_cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    workers = [
-        stack.enter_context(
-            Worker(url, tmp, "--engine", "sglang", "--server", server.url,
-                   "--loglevel", "WARNING", env=DEFAULT_DELIVERY)
-        )
-        for server in servers
-    ]  # fmt: skip
-    workers.append(
-        stack.enter_context(
-            Worker(url, tmp, "--out", str(out), env=DEFAULT_DELIVERY, kind="tokenize")
-        )
-    )  # fmt: skip
+
+    def generate_workers(group: list[StandinHandle]) -> list[Worker]:
+        return [
+            stack.enter_context(
+                Worker(url, tmp, "--engine", "sglang", "--server", server.url,
+                       "--loglevel", "WARNING", env=DEFAULT_DELIVERY)
+            )
+            for server in group
+        ]  # fmt: skip
+
+    workers = generate_workers(order[0])
+    tokenizer = stack.enter_context(
+        Worker(url, tmp, "--out", str(out), env=DEFAULT_DELIVERY, kind="tokenize")
+    )
+    workers.append(tokenizer)
+    r = redis.Redis.from_url(url)
+    for group in order[1:]:
+        wait_until_held(r, enqueue)
+        workers += generate_workers(group)
     enqueue_cpu = wait_with_cpu(enqueue, TIMEOUT_S)
     if enqueue.returncode != 0:
         raise SystemExit(f"regen enqueue failed:\n{(tmp / 'enqueue.log').read_text()[-4000:]}")
-    r = redis.Redis.from_url(url)
     ledger = CommitLedger(r, JOB)
     deadline = time.monotonic() + TIMEOUT_S
     total = sum(1 for _ in rows.open("rb"))
     while ledger.count() != (total, 0):
         if time.monotonic() > deadline or any(w.process.poll() is not None for w in workers):
-            raise SystemExit(f"regen not done: {ledger.count()}\n{workers[-1].log()[-4000:]}")
+            raise SystemExit(f"regen not done: {ledger.count()}\n{tokenizer.log()[-4000:]}")
         time.sleep(0.1)
     cpu_s = enqueue_cpu + sum(tree_cpu_s(w.process.pid) for w in workers)
     shards = read_manifest(out / JOB).shards.values()
     return started, max(s.created for s in shards), sum(s.rows for s in shards), cpu_s
+
+
+def wait_until_held(r: redis.Redis, enqueue: subprocess.Popen[bytes]) -> None:
+    """Until a worker holds a chunk (delivered, not acknowledged), as
+    bench/long_generations.py waits before it starts a fleet's second worker."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not r.hlen(keys.KOMBU_UNACKED):
+        # Whether the enqueue failed, without reaping it: wait_with_cpu reaps it.
+        ended = os.waitid(os.P_PID, enqueue.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if time.monotonic() > deadline or (ended is not None and ended.si_status != 0):
+            raise SystemExit("the first regen worker never held a chunk")
+        time.sleep(0.05)
 
 
 def run_specforge(
@@ -298,6 +364,7 @@ def tree_cpu_s(pid: int) -> float:
 def measure(
     tool: str,
     name: str,
+    first: str,
     args: argparse.Namespace,
     prompt_keys: set[int],
     logs: list[list[dict[str, Any]]],
@@ -308,15 +375,16 @@ def measure(
     aborted: int,
 ) -> Side:
     entries = [e for log in logs for e in log]
-    first = min(e["start"] for e in entries)
+    first_request = min(e["start"] for e in entries)
     last_end = max(e["end"] for e in entries)
-    span = last_end - first
+    span = last_end - first_request
     busy = [sum(e["end"] - e["start"] for e in log) for log in logs]
     done = [e for e in entries if e["outcome"] == "completed" and e["prompt"] in prompt_keys]
     answers = Counter(e["prompt"] for e in done)
     return Side(
         tool=tool,
         run=name,
+        first=first,
         prompts=args.prompts,
         records=records,
         answered_once=set(answers) == prompt_keys and set(answers.values()) == {1},
@@ -326,7 +394,13 @@ def measure(
         util=sum(busy) / (args.slots * len(logs) * span),
         util_per_server=[b / (args.slots * span) for b in busy],
         cpu_s=cpu_s,
-        start_s=first - started,
+        start_s=first_request - started,
+        first_request_s=[min((e["start"] for e in log), default=nan) - started for log in logs],
+        last_answer_s=[max((e["end"] for e in log), default=nan) - started for log in logs],
+        answers_per_server=[
+            sum(e["outcome"] == "completed" and e["prompt"] in prompt_keys for e in log)
+            for log in logs
+        ],
         end_s=last_record - last_end,
         other_requests=sum(e["prompt"] not in prompt_keys for e in entries),
         aborted=aborted,
@@ -336,10 +410,14 @@ def measure(
 
 def report(s: Side, args: argparse.Namespace) -> None:
     per_server = "/".join(f"{u:.3f}" for u in s.util_per_server)
+    answers = "/".join(str(n) for n in s.answers_per_server)
+    ends = "/".join(f"{t:.1f}" for t in s.last_answer_s)
     print(
         f"{s.run:>9} {s.tool:>9}: {s.records}/{s.prompts} records, scale 1/{args.scale:g}, "
+        f"{order_note(s).strip(' ()')}{', ' if s.first != '-' else ''}"
         f"answered once {'yes' if s.answered_once else 'NO'}, {s.output_tokens} output tokens: "
         f"wall {s.wall_s:.1f} s, span {s.span_s:.1f} s, util {s.util:.3f} ({per_server}), "
+        f"answers {answers}, last answer at {ends} s, "
         f"cpu {s.cpu_s:.1f} s, overhead {s.overhead_s:.1f} s (start {s.start_s:.1f} s, "
         f"end {s.end_s:.1f} s), other requests {s.other_requests}, aborted {s.aborted}",
         flush=True,

@@ -173,6 +173,8 @@ def save(r: redis.Redis, spec: JobSpec) -> JobSpec:
     key = keys.job_spec(spec.name)
     if r.set(key, spec.to_json(), nx=True):
         r.sadd(keys.JOBS, spec.name)
+        # A wake-up only: a worker that misses it finds the job at its next poll.
+        r.publish(keys.NEW_JOBS_CHANNEL, spec.name)
         return spec
     stored = load(r, spec.name)
     diff = spec.differences(stored)

@@ -14,6 +14,9 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 # Set of job names.
 JOBS = f"{PREFIX}:jobs"
+# Pub/sub channel: a new job's name, published once its spec is stored, so that idle
+# generate workers take its queue at once instead of at their next poll of JOBS.
+NEW_JOBS_CHANNEL = f"{PREFIX}:jobs:new"
 # Hash worker name -> heartbeat JSON.
 WORKERS = f"{PREFIX}:workers"
 # Hash job -> JSON {dir, host, worker}: where a tokenize worker writes the job's shards

@@ -220,7 +220,10 @@ def _tokenize_options(**values: Any) -> TokenizeOptions:
         "idle_s",
         minimum=0.1,
         default=defaults.SHARD_IDLE_S,
-        help="Commit an open shard when no result came for this many seconds.",
+        help=(
+            "Commit an open shard when no result came for this many seconds (a job with "
+            "nothing left to generate has its last shard committed at once)."
+        ),
     ),
     tunable(
         "--on-truncated",

@@ -27,6 +27,7 @@ from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow_control import make_flow_control
 from regen.consumers.generate.metrics import generate_metrics
+from regen.consumers.generate.new_jobs import NewJobs
 from regen.consumers.generate.peers import PeerView
 from regen.consumers.generate.poison import PoisonFilter
 from regen.consumers.generate.tasks import register
@@ -34,6 +35,9 @@ from regen.consumers.generate.tasks import register
 log = logging.getLogger("regen.generate")
 
 WATCH_INTERVAL_S = 2.0
+# How often the consumer's loop applies the watcher's queue set: a set comparison, no
+# I/O, so a new job's queue is taken within this of the watcher seeing the job.
+GATE_INTERVAL_S = 0.2
 
 
 @dataclass
@@ -78,7 +82,7 @@ def make_queue_gate(state: QueueState) -> type[bootsteps.StartStopStep]:
         requires = ("celery.worker.consumer.tasks:Tasks",)
 
         def start(self, consumer: Any) -> None:
-            consumer.timer.call_repeatedly(WATCH_INTERVAL_S / 2, self.apply, (consumer,))
+            consumer.timer.call_repeatedly(GATE_INTERVAL_S, self.apply, (consumer,))
 
         def apply(self, consumer: Any) -> None:
             active = {q.name for q in consumer.task_consumer.queues}
@@ -102,16 +106,32 @@ class Watcher(threading.Thread):
         self._ctx = ctx
         self._state = state
         self._stop_event = threading.Event()
+        # A worker that finds its jobs itself wakes at a new job (new_jobs.py).
+        self._new_jobs = NewJobs(ctx.redis) if self._discovers else None
+
+    @property
+    def _discovers(self) -> bool:
+        return not self._options.jobs and not self._options.queues
 
     def run(self) -> None:
+        if self._new_jobs is not None:
+            self._new_jobs.subscribe()  # before the first read of the job registry
         # The first check at once: no chunk is taken before it passes.
-        while True:
-            try:
-                self.poll()
-            except Exception:
-                log.exception("watcher poll failed")
-            if self._stop_event.wait(WATCH_INTERVAL_S):
-                return
+        try:
+            while True:
+                try:
+                    self.poll()
+                except Exception:
+                    log.exception("watcher poll failed")
+                if self._new_jobs is not None:
+                    self._new_jobs.wait(WATCH_INTERVAL_S, self._stop_event)
+                elif self._stop_event.wait(WATCH_INTERVAL_S):
+                    return
+                if self._stop_event.is_set():
+                    return
+        finally:
+            if self._new_jobs is not None:
+                self._new_jobs.close()
 
     def poll(self) -> None:
         healthy = self._ctx.runner.call(self._ctx.runner.engine.health(), timeout=60)
@@ -125,7 +145,7 @@ class Watcher(threading.Thread):
         elif healthy != state.healthy:
             log.warning("engine is %s", "healthy again" if healthy else "UNHEALTHY")
         state.healthy, state.checked = healthy, True
-        if not self._options.jobs and not self._options.queues:
+        if self._discovers:
             self._state.set_queues(discover_queues(self._ctx, self._options))
 
     def stop(self) -> None:

@@ -28,6 +28,7 @@ from regen.common.heartbeat import last_seen
 from regen.common.record import RecordContext
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
 from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.consumers.tokenize.job_end import JobEnd
 from regen.consumers.tokenize.job_folder import (
     JobFolder,
     LocalFolder,
@@ -125,6 +126,7 @@ class TokenizeConsumer:
         self.name = name
         self.state = ConsumerState()
         self._last_seen: dict[str, float] = {}
+        self.ends: dict[str, JobEnd] = {}
         self._next_recover = 0.0
         self._next_discovery = 0.0
         self._next_claim = 0.0
@@ -187,6 +189,7 @@ class TokenizeConsumer:
         writer = JobWriter(self._r, job, folder, self.name, context, self._options.policy)
         writer.recover(self._live_owners())
         self._last_seen[job] = time.monotonic()
+        self.ends[job] = JobEnd(self._r, spec)
         log.info("tokenizing job %s into %s", job, folder)
         return writer
 
@@ -273,13 +276,26 @@ class TokenizeConsumer:
         if now >= self._next_claim:
             self._next_claim = now + min(self._options.claim_idle_s / 3, 60.0)
             self._take_over_idle()
-        self._read()
+        drained = self._read()
         now = time.monotonic()
         for job, writer in list(self.state.writers.items()):
-            if writer.due(now - self._last_seen[job]):
+            if writer.due(now - self._last_seen[job]) or (
+                job in drained and self._job_done(writer)
+            ):
                 self._commit(writer)
 
-    def _read(self) -> None:
+    def _job_done(self, writer: JobWriter) -> bool:
+        """The job's open shard holds its last results: nothing is left to come (job_end.py),
+        so it is committed now, not after --idle-commit."""
+        if not writer.open_rows or not self.ends[writer.job].nothing_left():
+            return False
+        log.info("%s: every prompt of the job is generated or dead-lettered: committing "
+                 "its last %d records now", writer.job, writer.open_rows)  # fmt: skip
+        return True
+
+    def _read(self) -> set[str]:
+        """Read and take a batch; returns the jobs whose stream this read drained (it
+        gave them fewer entries than a batch)."""
         streams = {w.stream: ">" for w in self.state.writers.values()}
         # redis-py gives [[stream, entries], ...] here, over RESP2 and RESP3 alike (its
         # legacy shape); the stubs' type also allows a dict by stream.
@@ -294,10 +310,14 @@ class TokenizeConsumer:
             ),
         )
         by_stream = {w.stream: w for w in self.state.writers.values()}
+        drained = set(self.state.writers)
         for stream, entries in replies or []:
             writer = by_stream[stream.decode() if isinstance(stream, bytes) else stream]
             self._last_seen[writer.job] = time.monotonic()
             self._take(writer, entries)
+            if len(entries) >= self._options.batch:
+                drained.discard(writer.job)
+        return drained
 
     def _take(self, writer: JobWriter, entries: list[Any]) -> None:
         decoded = [(eid.decode(), fields or None) for eid, fields in entries]
