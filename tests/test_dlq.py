@@ -35,7 +35,7 @@ from regen.producer.spec import JobOptions, PreparedJob, prepare_job
 from tests.generate_harness import Worker, all_acked, enqueue_prompts, results
 from tests.helpers import make_result, queued_chunks, wait_for
 from tests.sglang_standin.process import run_standin
-from tests.test_tokenize_stage import InProcess, options, push, settled
+from tests.tokenize_harness import InProcess, options, push, settled
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "d"

@@ -40,7 +40,7 @@ from tests.helpers import (
 )
 from tests.redis_server import RedisServer
 from tests.sglang_standin.process import run_standin
-from tests.test_tokenize_stage import InProcess, options, push
+from tests.tokenize_harness import InProcess, options, push
 
 JOB = "rr"
 PROMPTS = [f"Tell me fact number {i} about the sea." for i in range(96)]

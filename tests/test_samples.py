@@ -20,8 +20,8 @@ from tests.generate_harness import PROMPTS, Worker, enqueue_prompts
 from tests.helpers import job_ids, queued_chunks, user_rows, wait_for, write_jsonl
 from tests.sglang_standin.process import run_standin
 from tests.test_enqueue import enqueue
-from tests.test_tokenize_stage import InProcess, options, settled
 from tests.test_turns import ROW
+from tests.tokenize_harness import InProcess, options, settled
 
 
 def test_each_prompt_is_k_prompts_one_chunk_per_sample_with_its_seed(

@@ -16,7 +16,7 @@ from regen.consumers.tokenize.self_recovery import RecoveryLock, recover_behind
 from regen.ops.recover import Recovery
 from tests.helpers import committed_count, make_result, wait_for, write_jsonl
 from tests.test_redis_restore import JOB, dump_all, enqueue_args, regen, restore_all
-from tests.test_tokenize_stage import InProcess, options, push
+from tests.tokenize_harness import InProcess, options, push
 
 
 def behind_the_disk(redis_url: str, r: redis.Redis, tmp_path: Path, tok: Any) -> LocalFolder:

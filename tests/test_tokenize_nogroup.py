@@ -14,7 +14,7 @@ from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import committed_count, make_result, wait_for
 from tests.redis_server import running_redis
 from tests.test_redis_restore import TokenizeWorker
-from tests.test_tokenize_stage import push
+from tests.tokenize_harness import push
 
 JOB = "ng"
 

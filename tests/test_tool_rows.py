@@ -28,7 +28,7 @@ from tests.helpers import (
     write_jsonl,
 )
 from tests.test_enqueue import enqueue, queued_prompts
-from tests.test_tokenize_stage import InProcess, options, push, settled
+from tests.tokenize_harness import InProcess, options, push, settled
 
 WEATHER_CALL = {
     "id": "call_1",

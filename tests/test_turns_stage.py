@@ -34,8 +34,14 @@ from tests.generate_harness import (
 )
 from tests.helpers import job_ids, wait_for, write_jsonl
 from tests.sglang_standin.process import StandinHandle, run_standin
-from tests.test_tokenize_stage import InProcess, _stop, _worker, options, settled
 from tests.test_turns import ROW, USER_TURNS, conversation_row
+from tests.tokenize_harness import (
+    InProcess,
+    options,
+    settled,
+    stop_worker,
+    tokenize_worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -156,15 +162,15 @@ def test_kills_between_turns_change_no_record(
 
     out = tmp_path / "out"
     # The tokenize worker dies with a shard in place but not committed, then restarts.
-    doomed_tokenizer = _worker(redis_url, out, crashpoint="tokenize.after_place",
+    doomed_tokenizer = tokenize_worker(redis_url, out, crashpoint="tokenize.after_place",
                                extra=("--jobs", "k", "--shard-rows", "2"))  # fmt: skip
     assert doomed_tokenizer.wait(timeout=120) == -signal.SIGKILL
     assert len(shard_paths(out / "k")) == 1
-    survivor = _worker(redis_url, out, extra=("--jobs", "k", "--shard-rows", "2"))
+    survivor = tokenize_worker(redis_url, out, extra=("--jobs", "k", "--shard-rows", "2"))
     try:
         wait_for(lambda: settled(r, "k", TURNS), timeout=120, what="the rest committed")
     finally:
-        _stop(survivor)
+        stop_worker(survivor)
     crashed, reference = records(out / "k"), tokenize(r, out, "ref", TURNS)
     assert set(crashed) == set(reference) and len(crashed) == TURNS
     same = ("input_ids", "loss_mask", "messages", "conversation_id", "turn", "finish_reason")
