@@ -26,7 +26,7 @@ from regen.consumers.generate.chunk_life import (
     read_generated,
 )
 from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.flow_control import chunk_limit
+from regen.consumers.generate.flow_control import HOLD_OFF_S, chunk_limit, keeps_slack
 from regen.consumers.generate.peers import CACHE_S, CLAIM_S, FRESH_S, PeerView
 from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile
@@ -208,8 +208,29 @@ def test_while_peers_idle_flow_control_takes_chunks_only_for_free_slots() -> Non
     """Slack (prompts waiting beyond the slots) is for a worker alone on its queue;
     while another worker has idle slots it would only keep prompts from it."""
     assert chunk_limit(30, 32, 1, 4.0, 64) == 2  # alone: room for slack, one more chunk
-    assert chunk_limit(32, 32, 1, 4.0, 64, peers_idle=True) == 1  # full: none more
-    assert chunk_limit(30, 32, 1, 4.0, 64, peers_idle=True) == 2  # 2 free slots: one
+    assert chunk_limit(32, 32, 1, 4.0, 64, with_slack=False) == 1  # full: none more
+    assert chunk_limit(30, 32, 1, 4.0, 64, with_slack=False) == 2  # 2 free slots: one
+
+
+def test_a_worker_that_gave_back_keeps_no_slack_a_moment(r: redis.Redis) -> None:
+    """32 slots, all running, just after a give-back: the give-back claimed the peer's
+    idle slots, so no peer shows idle here, and with its slack the worker would take a
+    chunk at once, perhaps the very one it gave. For HOLD_OFF_S only a slot of its own
+    that frees takes a chunk; after, the slack again."""
+    ctx = ChunkContext(redis=r, runner=None)  # type: ignore[arg-type]
+    ctx.count_inflight(32)
+    assert keeps_slack(ctx, peers_idle=False, now=100.0)  # never gave back
+    ctx.gave_back_at = 100.0
+
+    def limit(now: float) -> int:
+        kept = keeps_slack(ctx, peers_idle=False, now=now)
+        return chunk_limit(ctx.outstanding, 32, 1, 0.2, 64, with_slack=kept)
+
+    assert limit(100.0 + HOLD_OFF_S / 2) == 1  # full: none taken
+    assert limit(100.0 + HOLD_OFF_S) == 2  # its slack again: one more
+    ctx.count_inflight(-1)  # a slot of its own frees during the hold-off: refilled
+    assert limit(101.0) == 2
+    assert not keeps_slack(ctx, peers_idle=True, now=200.0)  # an idle peer: none either
 
 
 @pytest.mark.slow

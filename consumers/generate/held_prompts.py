@@ -12,6 +12,7 @@ With no idle peer (one server, or a busy fleet) nothing moves.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -127,6 +128,7 @@ class HeldPrompts:
                                      prompts)  # fmt: skip
         self.waiting = keep
         ctx.count_waiting(-count)
+        ctx.gave_back_at = time.monotonic()
         log.info(
             "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
             "(other workers have idle slots)",
