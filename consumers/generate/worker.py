@@ -26,6 +26,7 @@ from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow_control import make_flow_control
+from regen.consumers.generate.idle_beat import IdleBeat
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.peers import PeerView
 from regen.consumers.generate.poison import PoisonFilter
@@ -208,12 +209,14 @@ def run_worker(options: WorkerOptions) -> None:
         renew=ctx.leases.renew,
     )
     ctx.on_idle_slots = heartbeat.wake
+    idle_beat = IdleBeat(lambda: idle_slots(ctx, state), heartbeat.wake)
     metrics = None
     if options.metrics_port is not None:
         metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
         metrics.serve(options.metrics_port)
     watcher.start()
     heartbeat.start()
+    idle_beat.start()
     log.info(
         "generate worker %s: engine %s, %d chunks at once, Redis %s",
         name,
@@ -244,6 +247,7 @@ def run_worker(options: WorkerOptions) -> None:
         )
     finally:
         watcher.stop()
+        idle_beat.stop()
         heartbeat.stop()
         if metrics is not None:
             metrics.close()
@@ -277,6 +281,13 @@ def run_celery_worker(app: Celery, argv: list[str]) -> int:
     return int(workers[0].exitcode or 0)
 
 
+def idle_slots(ctx: ChunkContext, state: QueueState) -> int:
+    """Slots no prompt held here will fill (none while the engine is unhealthy)."""
+    if not state.healthy:
+        return 0
+    return max(0, ctx.runner.engine.capacity() - ctx.outstanding)
+
+
 def _snapshot(
     options: WorkerOptions, ctx: ChunkContext, state: QueueState, concurrency: int
 ) -> dict[str, Any]:
@@ -295,9 +306,7 @@ def _snapshot(
         # Read by the other generate workers (peers.py): they give their unstarted
         # prompts back to the queue while this worker has slots idle.
         # Its own waiting prompts take its free slots first.
-        "idle_slots": max(0, ctx.runner.engine.capacity() - ctx.outstanding)
-        if state.healthy
-        else 0,
+        "idle_slots": idle_slots(ctx, state),
         "tokens_per_s": ctx.tokens.rate(),
         "tokens_total": ctx.tokens.total,
     }
