@@ -129,10 +129,12 @@ class HeldPrompts:
         self.waiting = keep
         ctx.count_waiting(-count)
         ctx.gave_back_at = time.monotonic()
+        # The ids let bench/long_generations.py count those the giver ran after all.
         log.info(
             "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
-            "(other workers have idle slots)",
+            "(other workers have idle slots): %s",
             self._chunk.chunk_id,
             count,
             chunks,
+            ",".join(p.id for p in prompts),
         )
