@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--max-inflight", default="auto", help="the workers' --max-inflight")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--log-dir", type=Path,
-                        help="keep each run's worker logs here (RUN-worker-N.log)")  # fmt: skip
+                        help="keep each run's worker logs and server slot logs here")  # fmt: skip
     args = parser.parse_args()
     figures = [run(name, args) for name in args.runs.split(",")]
     if args.json:
@@ -160,6 +160,7 @@ def run(name: str, args: argparse.Namespace) -> Figures:
             args.log_dir.mkdir(parents=True, exist_ok=True)
             for i, worker in enumerate(workers):
                 (args.log_dir / f"{name}-worker-{i}.log").write_text(worker.log())
+                (args.log_dir / f"{name}-server-{i}.json").write_bytes(orjson.dumps(logs[i]))
     report(figures, args)
     return figures
 

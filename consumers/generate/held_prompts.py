@@ -25,6 +25,7 @@ from regen.consumers.generate.chunk_life import (
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engine_loop import Batch
+from regen.consumers.generate.flow_control import slack
 
 log = logging.getLogger("regen.generate")
 
@@ -120,7 +121,11 @@ class HeldPrompts:
         if ctx.peers is None or ctx.messages is None:
             return
         queue = ctx.spec(self._chunk.job).queue
-        count = ctx.peers.claim(queue, len(self.waiting))
+        # Every waiting prompt may go to a peer's idle slots; to a peer's slack only
+        # those beyond this worker's own slack (peers.py: slack never comes back).
+        engine_slack = slack(ctx.runner.engine.capacity(), ctx.prompts.rate())
+        beyond_slack = min(len(self.waiting), ctx.waiting - engine_slack)
+        count = ctx.peers.claim(queue, len(self.waiting), beyond_slack)
         if count <= 0:
             return
         keep, prompts = self.waiting[:-count], self.waiting[-count:]

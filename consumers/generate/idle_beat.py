@@ -26,8 +26,14 @@ IDLE_LOOK_S = 1.0
 
 
 class IdleBeat(threading.Thread):
+    """Wakes the heartbeat when what `idle_slots()` returns changes (the idle slots, and
+    the prompts the worker is short: peers.py)."""
+
     def __init__(
-        self, idle_slots: Callable[[], int], wake: Callable[[], None], look_s: float = IDLE_LOOK_S
+        self,
+        idle_slots: Callable[[], object],
+        wake: Callable[[], None],
+        look_s: float = IDLE_LOOK_S,
     ) -> None:
         super().__init__(name="regen-idle-beat", daemon=True)
         self._idle_slots = idle_slots
@@ -46,7 +52,7 @@ class IdleBeat(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
 
-    def _read(self) -> int | None:
+    def _read(self) -> object:
         try:
             return self._idle_slots()
         except Exception:  # never stops the worker; the regular beats go on

@@ -8,6 +8,14 @@ a Redis script and a message rewrite per prompt for nothing (the one-server case
 A worker beats at once (at most once a second) when its slots fall idle with nothing
 waiting in it, so its idle slots are seen within a couple of seconds, not at its next
 regular beat (up to 10 s): at 40 s answers, 10 s is a quarter of a slot's work.
+
+Besides its idle slots, a worker's beat says how many prompts it is `short`: its idle
+slots plus the slack its flow control would hold waiting (flow_control.slack). A
+worker whose slots are full but has no slack waiting would idle each slot that frees
+for the give-back's round trip (a beat, a read, a chunk fetched: 2-3 s, 6% of a fast
+server's slot time at 40 s answers); prompts given for its slack start there at once.
+A giver gives prompts for a peer's slack only beyond its own slack (held_prompts.py),
+so slack never moves from one worker to another and back.
 """
 
 from __future__ import annotations
@@ -27,14 +35,19 @@ FRESH_S = 30.0
 # The fleet view is read at most this often per process (every delivery with waiting
 # prompts asks, several times a second).
 CACHE_S = 1.0
-# Slots this worker gave prompts back for count as taken for this long: until every
-# peer has beaten since (heartbeats are at most HEARTBEAT_INTERVAL_MAX_S apart) and the
-# view is read again. Without it each look at the same stale beat gives back more.
+# Slots this worker gave prompts back for count as taken until every peer on the queue
+# has beaten TAKE_S after the give-back (its flow control takes a chunk within half a
+# second of its arrival: the beat shows the prompts taken), and at most for CLAIM_S
+# (heartbeats are at most HEARTBEAT_INTERVAL_MAX_S apart). Without it each look at the
+# same stale beat gives back more; kept longer, it hid the slots that free after the
+# beat (at 0.8 prompts/s a fast server showed ~9 idle slots before it got any).
 CLAIM_S = defaults.HEARTBEAT_INTERVAL_MAX_S + CACHE_S
+TAKE_S = 1.5
 
 
 class PeerView:
-    """The idle slots of the other live generate workers, by queue."""
+    """The idle slots of the other live generate workers, and the prompts they are
+    short (idle slots and slack), by queue."""
 
     def __init__(self, r: redis.Redis, me: str, clock: Callable[[], float] = time.time) -> None:
         self._r = r
@@ -43,7 +56,11 @@ class PeerView:
         self._lock = threading.Lock()
         self._read_at = float("-inf")
         self._idle: dict[str, int] = {}
-        self._claims: list[tuple[float, str, int]] = []  # (when, queue, slots)
+        self._short: dict[str, int] = {}
+        # The oldest beat of the peers on each queue (`last_seen`, this clock's time).
+        self._beaten: dict[str, float] = {}
+        # (when, queue, idle slots, slack room): what this worker gave prompts for.
+        self._claims: list[tuple[float, str, int, int]] = []
 
     def idle_slots(self, queue: str) -> int:
         """Idle slots of the other live, healthy generate workers consuming `queue`,
@@ -51,27 +68,47 @@ class PeerView:
         with self._lock:
             return self._unclaimed(queue)
 
-    def claim(self, queue: str, wanted: int) -> int:
-        """Claim up to `wanted` of the idle slots on `queue` for prompts about to be
-        given back; how many. Read and claimed under one lock, so two deliveries of this
-        worker do not both give prompts for the same slots."""
+    def claim(self, queue: str, wanted: int, beyond_slack: int = 0) -> int:
+        """Claim peers' room on `queue` for prompts about to be given back; how many:
+        up to `wanted` of their idle slots, or up to `beyond_slack` (the giver's waiting
+        prompts beyond its own slack) of what they are short. Read and claimed under one
+        lock, so two deliveries of this worker do not both give prompts for the same
+        slots."""
         with self._lock:
-            slots = min(wanted, self._unclaimed(queue))
-            if slots > 0:
-                self._claims.append((self._clock(), queue, slots))
-            return slots
+            self._refresh()
+            idle_claimed, slack_claimed = self._claimed(queue)
+            idle = max(0, self._idle.get(queue, 0) - idle_claimed)
+            short = max(0, self._short.get(queue, 0) - idle_claimed - slack_claimed)
+            for_idle = min(wanted, idle)
+            for_slack = max(0, min(beyond_slack, short) - for_idle)
+            if for_idle or for_slack:
+                self._claims.append((self._clock(), queue, for_idle, for_slack))
+            return for_idle + for_slack
 
     def _unclaimed(self, queue: str) -> int:
+        self._refresh()
+        return max(0, self._idle.get(queue, 0) - self._claimed(queue)[0])
+
+    def _refresh(self) -> None:
         now = self._clock()
         if now - self._read_at >= CACHE_S:
-            self._idle = self._read(now)
+            self._idle, self._short, self._beaten = self._read(now)
             self._read_at = now
-        self._claims = [c for c in self._claims if now - c[0] < CLAIM_S]
-        claimed = sum(slots for _, q, slots in self._claims if q == queue)
-        return max(0, self._idle.get(queue, 0) - claimed)
+        self._claims = [
+            claim
+            for claim in self._claims
+            if now - claim[0] < CLAIM_S and self._beaten.get(claim[1], claim[0]) < claim[0] + TAKE_S
+        ]
 
-    def _read(self, now: float) -> dict[str, int]:
+    def _claimed(self, queue: str) -> tuple[int, int]:
+        """Slots claimed on `queue`: idle ones, and slack room beyond them."""
+        claims = [c for c in self._claims if c[1] == queue]
+        return sum(c[2] for c in claims), sum(c[3] for c in claims)
+
+    def _read(self, now: float) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
         idle: dict[str, int] = {}
+        short: dict[str, int] = {}
+        beaten: dict[str, float] = {}
         for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
             if name.decode() == self._me:
                 continue
@@ -79,6 +116,10 @@ class PeerView:
             fresh = now - float(beat.get("last_seen", 0)) < FRESH_S
             if beat.get("kind") != "generate" or not beat.get("healthy") or not fresh:
                 continue
+            slots = int(beat.get("idle_slots", 0))
+            seen = float(beat["last_seen"])
             for queue in beat.get("queues", []):
-                idle[queue] = idle.get(queue, 0) + int(beat.get("idle_slots", 0))
-        return idle
+                idle[queue] = idle.get(queue, 0) + slots
+                short[queue] = short.get(queue, 0) + max(slots, int(beat.get("short", 0)))
+                beaten[queue] = min(beaten.get(queue, seen), seen)
+        return idle, short, beaten
