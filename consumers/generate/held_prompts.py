@@ -5,8 +5,9 @@ and given to the queue when another worker can start them sooner (docs/design.md
 A delivery starts what its engine's free slots take (`ChunkContext.reserve`), and the
 rest as slots free. The prompts it holds unstarted were never sent to an engine, so
 they can leave at no cost: as many as the other generate workers on the queue have idle
-slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted).
-With no idle peer (one server, or a busy fleet) nothing moves.
+slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted),
+and those beyond the worker's own slack also for a peer's missing slack. With no peer
+short of prompts (one server, or a busy fleet) nothing moves.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class HeldPrompts:
         # The ids let bench/long_generations.py count those the giver ran after all.
         log.info(
             "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
-            "(other workers have idle slots): %s",
+            "(other workers have room): %s",
             self._chunk.chunk_id,
             count,
             chunks,
