@@ -209,12 +209,15 @@ def test_a_peer_short_of_its_slack_gets_only_prompts_beyond_the_givers_slack(
 def test_a_claim_ends_once_the_peers_beat_after_taking_the_prompts(r: redis.Redis) -> None:
     """A peer beats within a second or two of taking the given-back chunk (its idle
     slots changed): that beat counts them, so the claim no longer does, and slots that
-    freed since are given for at once, not after CLAIM_S."""
+    freed since are given for at once, not after CLAIM_S. A full peer (no room: its
+    flow control takes nothing) beats only on its interval: it is not waited for."""
     now = [1000.0]
     view = PeerView(r, "generate@me:1", clock=lambda: now[0])
     beat = {"kind": "generate", "healthy": True, "queues": ["q"], "idle_slots": 4,
             "last_seen": 1000.0}  # fmt: skip
     r.hset(keys.WORKERS, "generate@a:1", orjson.dumps(beat))
+    r.hset(keys.WORKERS, "generate@full:1",
+           orjson.dumps({**beat, "idle_slots": 0, "short": 0}))  # fmt: skip
     assert view.claim("q", 4) == 4
     now[0] += 1.0  # a beat before it could have taken them: still claimed
     r.hset(keys.WORKERS, "generate@a:1", orjson.dumps({**beat, "last_seen": now[0]}))

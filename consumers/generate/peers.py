@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 import redis
@@ -35,14 +36,36 @@ FRESH_S = 30.0
 # The fleet view is read at most this often per process (every delivery with waiting
 # prompts asks, several times a second).
 CACHE_S = 1.0
-# Slots this worker gave prompts back for count as taken until every peer on the queue
-# has beaten TAKE_S after the give-back (its flow control takes a chunk within half a
+# Slots this worker gave prompts back for count as taken until every peer that had room
+# on the queue has beaten TAKE_S after the give-back (its flow control takes a chunk within half a
 # second of its arrival: the beat shows the prompts taken), and at most for CLAIM_S
 # (heartbeats are at most HEARTBEAT_INTERVAL_MAX_S apart). Without it each look at the
 # same stale beat gives back more; kept longer, it hid the slots that free after the
 # beat (at 0.8 prompts/s a fast server showed ~9 idle slots before it got any).
 CLAIM_S = defaults.HEARTBEAT_INTERVAL_MAX_S + CACHE_S
 TAKE_S = 1.5
+
+
+@dataclass(frozen=True)
+class PeerRoom:
+    """What one peer's last beat says: idle slots, prompts short, when it beat."""
+
+    idle: int
+    short: int
+    seen: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Room this worker gave prompts for: `idle` slots and `slack` beyond them, on
+    `queue`, at `when`; `takers`: the peers that had room then (one of them takes the
+    prompts; a peer without room does not, its flow control being full)."""
+
+    when: float
+    queue: str
+    idle: int
+    slack: int
+    takers: frozenset[str]
 
 
 class PeerView:
@@ -55,18 +78,15 @@ class PeerView:
         self._clock = clock
         self._lock = threading.Lock()
         self._read_at = float("-inf")
-        self._idle: dict[str, int] = {}
-        self._short: dict[str, int] = {}
-        # The oldest beat of the peers on each queue (`last_seen`, this clock's time).
-        self._beaten: dict[str, float] = {}
-        # (when, queue, idle slots, slack room): what this worker gave prompts for.
-        self._claims: list[tuple[float, str, int, int]] = []
+        self._rooms: dict[str, dict[str, PeerRoom]] = {}  # queue -> peer -> its room
+        self._claims: list[Claim] = []
 
     def idle_slots(self, queue: str) -> int:
         """Idle slots of the other live, healthy generate workers consuming `queue`,
         less those this worker recently gave prompts back for."""
         with self._lock:
-            return self._unclaimed(queue)
+            self._refresh()
+            return max(0, self._total(queue).idle - self._claimed(queue)[0])
 
     def claim(self, queue: str, wanted: int, beyond_slack: int = 0) -> int:
         """Claim peers' room on `queue` for prompts about to be given back; how many:
@@ -76,50 +96,54 @@ class PeerView:
         slots."""
         with self._lock:
             self._refresh()
+            total = self._total(queue)
             idle_claimed, slack_claimed = self._claimed(queue)
-            idle = max(0, self._idle.get(queue, 0) - idle_claimed)
-            short = max(0, self._short.get(queue, 0) - idle_claimed - slack_claimed)
+            idle = max(0, total.idle - idle_claimed)
+            short = max(0, total.short - idle_claimed - slack_claimed)
             for_idle = min(wanted, idle)
             for_slack = max(0, min(beyond_slack, short) - for_idle)
             if for_idle or for_slack:
-                self._claims.append((self._clock(), queue, for_idle, for_slack))
+                rooms = self._rooms.get(queue, {})
+                takers = frozenset(name for name, room in rooms.items() if room.short > 0)
+                self._claims.append(Claim(self._clock(), queue, for_idle, for_slack, takers))
             return for_idle + for_slack
 
-    def _unclaimed(self, queue: str) -> int:
-        self._refresh()
-        return max(0, self._idle.get(queue, 0) - self._claimed(queue)[0])
+    def _total(self, queue: str) -> PeerRoom:
+        rooms = self._rooms.get(queue, {}).values()
+        return PeerRoom(sum(r.idle for r in rooms), sum(r.short for r in rooms), 0.0)
 
     def _refresh(self) -> None:
         now = self._clock()
         if now - self._read_at >= CACHE_S:
-            self._idle, self._short, self._beaten = self._read(now)
+            self._rooms = self._read(now)
             self._read_at = now
-        self._claims = [
-            claim
-            for claim in self._claims
-            if now - claim[0] < CLAIM_S and self._beaten.get(claim[1], claim[0]) < claim[0] + TAKE_S
-        ]
+        self._claims = [c for c in self._claims if now - c.when < CLAIM_S and not self._taken(c)]
+
+    def _taken(self, claim: Claim) -> bool:
+        """Every peer that could take the claim's prompts beat TAKE_S after it (or is
+        gone): its beat counts them, so the claim must not count them again."""
+        rooms = self._rooms.get(claim.queue, {})
+        return all(
+            name not in rooms or rooms[name].seen >= claim.when + TAKE_S for name in claim.takers
+        )
 
     def _claimed(self, queue: str) -> tuple[int, int]:
         """Slots claimed on `queue`: idle ones, and slack room beyond them."""
-        claims = [c for c in self._claims if c[1] == queue]
-        return sum(c[2] for c in claims), sum(c[3] for c in claims)
+        claims = [c for c in self._claims if c.queue == queue]
+        return sum(c.idle for c in claims), sum(c.slack for c in claims)
 
-    def _read(self, now: float) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
-        idle: dict[str, int] = {}
-        short: dict[str, int] = {}
-        beaten: dict[str, float] = {}
-        for name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
-            if name.decode() == self._me:
+    def _read(self, now: float) -> dict[str, dict[str, PeerRoom]]:
+        rooms: dict[str, dict[str, PeerRoom]] = {}
+        for raw_name, raw in bytes_hash(self._r.hgetall(keys.WORKERS)).items():
+            name = raw_name.decode()
+            if name == self._me:
                 continue
             beat = orjson.loads(raw)
             fresh = now - float(beat.get("last_seen", 0)) < FRESH_S
             if beat.get("kind") != "generate" or not beat.get("healthy") or not fresh:
                 continue
-            slots = int(beat.get("idle_slots", 0))
-            seen = float(beat["last_seen"])
+            idle = int(beat.get("idle_slots", 0))
+            room = PeerRoom(idle, max(idle, int(beat.get("short", 0))), float(beat["last_seen"]))
             for queue in beat.get("queues", []):
-                idle[queue] = idle.get(queue, 0) + slots
-                short[queue] = short.get(queue, 0) + max(slots, int(beat.get("short", 0)))
-                beaten[queue] = min(beaten.get(queue, seen), seen)
-        return idle, short, beaten
+                rooms.setdefault(queue, {})[name] = room
+        return rooms
