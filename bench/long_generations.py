@@ -13,6 +13,10 @@ each run:
 - waste: the share of busy slot time spent on answers later thrown away (aborted
   mid-way, answered twice, or lost with a killed server);
 - aborted requests, chunks given back (deliveries that ended other than done);
+- prompts moved: prompts a worker had not started and gave back to the queue for
+  another worker's idle slots (docs/design.md, "Only what can start soon"), and of
+  those, the ones the same worker took back and ran (ping-pong: should be 0); prompts
+  run per server;
 - span over ideal: from the first request to the last answer, over the useful tokens
   at the fleet's token rate (informative only: with long-tailed lengths the last
   answers dominate a small job's span).
@@ -44,7 +48,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +90,9 @@ class Figures:
     ideal_s: float
     redone: int = 0  # requests started twice (kill: those on the killed server)
     lost_at_kill: int = 0
+    moved: int = 0  # prompts not started, given back to the queue for another worker
+    moved_back: int = 0  # of those, run by the worker that gave them back
+    per_server_prompts: list[int] | None = None
 
     @property
     def span_over_ideal(self) -> float:
@@ -108,6 +115,8 @@ def main() -> None:
     )
     parser.add_argument("--max-inflight", default="auto", help="the workers' --max-inflight")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--log-dir", type=Path,
+                        help="keep each run's worker logs and server slot logs here")  # fmt: skip
     args = parser.parse_args()
     figures = [run(name, args) for name in args.runs.split(",")]
     if args.json:
@@ -127,12 +136,13 @@ def run(name: str, args: argparse.Namespace) -> Figures:
         r = redis.Redis.from_url(url)
         spec = enqueue(url, tmp, name, args, max_new_tokens=longest + 64)
         servers = stack.enter_context(standins(speeds, args.slots, dist))
+        workers = []
         for i, server in enumerate(servers):
-            stack.enter_context(
+            workers.append(stack.enter_context(
                 Worker(url, tmp, "--engine", "sglang", "--server", server.url,
                        "--max-inflight", args.max_inflight, "--jobs", JOB,
-                       "--loglevel", "WARNING", env=DEFAULT_DELIVERY)
-            )  # fmt: skip
+                       "--loglevel", "INFO", env=DEFAULT_DELIVERY)
+            ))  # fmt: skip
             if i == 0 and len(servers) > 1:  # the first worker meets the queue alone
                 wait_until_held(r)
         logs: list[list[dict[str, Any]]] = [[] for _ in servers]
@@ -145,6 +155,12 @@ def run(name: str, args: argparse.Namespace) -> Figures:
         for i, server in enumerate(servers):
             logs[i] += server.slot_log()
         figures = measure(name, r, spec, logs, stats, speeds, args, waste_s, lost)
+        figures = moves(figures, r, spec, workers)
+        if args.log_dir:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+            for i, worker in enumerate(workers):
+                (args.log_dir / f"{name}-worker-{i}.log").write_text(worker.log())
+                (args.log_dir / f"{name}-server-{i}.json").write_bytes(orjson.dumps(logs[i]))
     report(figures, args)
     return figures
 
@@ -281,6 +297,21 @@ def measure(
     )
 
 
+def moves(f: Figures, r: redis.Redis, spec: jobspec.JobSpec, workers: list[Worker]) -> Figures:
+    """The prompts each worker's log says it gave back (held_prompts.py), and how many
+    of them the same worker ran after all (ping-pong); prompts run per server."""
+    ran_by = {res.id: res.worker for res in results(r, spec.name)}
+    moved = moved_back = 0
+    for worker in workers:
+        for line in worker.log().splitlines():
+            if "back to the queue in" in line:
+                ids = line.rsplit(": ", 1)[1].split(",")
+                moved += len(ids)
+                moved_back += sum(ran_by.get(i) == worker.name for i in ids)
+    per_server = [sum(w == worker.name for w in ran_by.values()) for worker in workers]
+    return replace(f, moved=moved, moved_back=moved_back, per_server_prompts=per_server)
+
+
 def available_at(entries: list[dict[str, Any]], first: float) -> dict[int, float]:
     """When each request could have started (by its index in `entries`): a conversation's
     later turn once its previous turn ended, anything else from the first request on.
@@ -330,6 +361,8 @@ def report(f: Figures, args: argparse.Namespace) -> None:
         f"{f.run:>10}: {f.prompts} prompts, scale 1/{args.scale:g}, chunk {args.chunk_size}, "
         f"--max-inflight {args.max_inflight}: busy {busy} (target >= {target}), "
         f"waste {f.waste:.2%}, aborted {f.aborted}, given back {f.given_back}, "
+        f"prompts moved {f.moved} (back to their giver {f.moved_back}), "
+        f"prompts per server {f.per_server_prompts}, "
         f"span {f.span_s:.0f} s over ideal {f.ideal_s:.0f} s = {f.span_over_ideal:.2f}x"
         + (f", lost at kill {f.lost_at_kill}, redone {f.redone}" if f.run == "kill" else ""),
         flush=True,

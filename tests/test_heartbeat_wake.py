@@ -11,6 +11,7 @@ import redis
 
 from regen.common import keys
 from regen.common.heartbeat import WOKEN_BEAT_GAP_S, Heartbeat
+from regen.consumers.generate.idle_beat import IdleBeat
 from tests.helpers import wait_for
 
 
@@ -41,3 +42,36 @@ def test_a_woken_heartbeat_beats_at_once_but_not_more_than_once_a_gap(r: redis.R
         heartbeat.stop()
         heartbeat.join(timeout=10)
     assert not heartbeat.is_alive() and r.hget(keys.WORKERS, "generate@test:1") is None
+
+
+def test_idle_slots_that_change_without_a_prompt_finishing_wake_the_heartbeat(
+    r: redis.Redis,
+) -> None:
+    """Slots fall idle with no prompt finishing (the slow start's estimate grows from 16
+    to 24 on an idle server): the record says so within a look and a gap, not at the
+    next regular beat; while they stay the same, no beat."""
+    idle = {"slots": 0}
+    heartbeat = Heartbeat(r, "generate@test:2", lambda: {"idle_slots": idle["slots"]},
+                          interval_s=600.0)  # fmt: skip
+    watch = IdleBeat(lambda: idle["slots"], heartbeat.wake, look_s=0.1)
+
+    def recorded() -> int | None:
+        raw = r.hget(keys.WORKERS, "generate@test:2")
+        return None if raw is None else int(orjson.loads(raw)["idle_slots"])
+
+    heartbeat.start()
+    watch.start()
+    try:
+        wait_for(lambda: recorded() == 0, timeout=10, what="the first beat")
+        first = orjson.loads(r.hget(keys.WORKERS, "generate@test:2"))["last_seen"]
+        time.sleep(WOKEN_BEAT_GAP_S * 1.5)
+        assert orjson.loads(r.hget(keys.WORKERS, "generate@test:2"))["last_seen"] == first
+        changed_at = time.monotonic()
+        idle["slots"] = 8
+        wait_for(lambda: recorded() == 8, timeout=10, what="the beat after the change")
+        assert time.monotonic() - changed_at < WOKEN_BEAT_GAP_S + 2.0  # not the 600 s
+    finally:
+        watch.stop()
+        heartbeat.stop()
+        watch.join(timeout=10)
+        heartbeat.join(timeout=10)

@@ -3,7 +3,15 @@ started soon (consumers/generate/engines/server_slots.py)."""
 
 from __future__ import annotations
 
-from regen.consumers.generate.engines.server_slots import GROWTH, START, WINDOW_S, SlotEstimate
+import math
+
+from regen.consumers.generate.engines.server_slots import (
+    GROWTH,
+    PROBE,
+    START,
+    WINDOW_S,
+    SlotEstimate,
+)
 from regen.consumers.generate.engines.sglang_pool import ServerState
 
 
@@ -42,3 +50,16 @@ def test_old_readings_age_out_and_the_limit_still_bounds() -> None:
     server = ServerState("http://a", "http://a", cap=8)
     server.slots.observe(32, 10, now=0.0)
     assert server.startable() == 8
+
+
+def test_known_slots_are_probed_a_little_once_their_queue_ages_out() -> None:
+    """A worker sends no more than the 32 slots a queue showed, so the queue goes; once
+    those readings age out the server is counted for 32 and a tenth, not 48 (16 more
+    requests in its queue every minute, out of other workers' reach)."""
+    estimate = SlotEstimate()
+    estimate.observe(32, 4, now=0.0)
+    for t in range(1, int(WINDOW_S) + 5):
+        estimate.observe(32, 0, now=float(t))
+    assert estimate.estimate() == 32 + max(1, math.ceil(32 * PROBE))
+    estimate.observe(35, 1, now=WINDOW_S + 6)  # a KV cache that fits more: found
+    assert estimate.estimate() == 35

@@ -26,8 +26,8 @@ from regen.consumers.generate.chunk_life import (
     read_generated,
 )
 from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.flow_control import chunk_limit
-from regen.consumers.generate.peers import CACHE_S, CLAIM_S, FRESH_S, PeerView
+from regen.consumers.generate.flow_control import HOLD_OFF_S, chunk_limit, keeps_slack
+from regen.consumers.generate.peers import CACHE_S, CLAIM_S, FRESH_S, TAKE_S, PeerView
 from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile
 from tests.generate_harness import (
@@ -185,6 +185,50 @@ def test_slots_given_prompts_count_as_taken_until_the_peers_beat_again(
     assert view.idle_slots("q") == 8  # a later beat tells again
 
 
+def test_a_peer_short_of_its_slack_gets_only_prompts_beyond_the_givers_slack(
+    r: redis.Redis,
+) -> None:
+    """A fast peer with every slot busy but no slack waiting says it is short 3: each
+    slot that frees would idle for the give-back's round trip. A giver gives for that
+    only what it holds beyond its own slack (so slack never comes back to it), and
+    for idle slots any waiting prompt."""
+    now = [1000.0]
+    view = PeerView(r, "generate@me:1", clock=lambda: now[0])
+    beat = {"kind": "generate", "healthy": True, "queues": ["q"], "idle_slots": 0,
+            "short": 3, "last_seen": 1000.0}  # fmt: skip
+    r.hset(keys.WORKERS, "generate@a:1", orjson.dumps(beat))
+    assert view.idle_slots("q") == 0  # not idle: flow control keeps its slack
+    assert view.claim("q", 10) == 0  # nothing beyond the giver's slack: none
+    assert view.claim("q", 10, beyond_slack=2) == 2
+    assert view.claim("q", 10, beyond_slack=5) == 1  # the 3 it is short, less 2 given
+    r.hset(keys.WORKERS, "generate@b:1", orjson.dumps({**beat, "idle_slots": 4, "short": 0}))
+    now[0] += CACHE_S
+    assert view.claim("q", 10) == 4  # idle slots take any waiting prompt (b's short: 4)
+
+
+def test_a_claim_ends_once_the_peers_beat_after_taking_the_prompts(r: redis.Redis) -> None:
+    """A peer beats within a second or two of taking the given-back chunk (its idle
+    slots changed): that beat counts them, so the claim no longer does, and slots that
+    freed since are given for at once, not after CLAIM_S. A full peer (no room: its
+    flow control takes nothing) beats only on its interval: it is not waited for."""
+    now = [1000.0]
+    view = PeerView(r, "generate@me:1", clock=lambda: now[0])
+    beat = {"kind": "generate", "healthy": True, "queues": ["q"], "idle_slots": 4,
+            "last_seen": 1000.0}  # fmt: skip
+    r.hset(keys.WORKERS, "generate@a:1", orjson.dumps(beat))
+    r.hset(keys.WORKERS, "generate@full:1",
+           orjson.dumps({**beat, "idle_slots": 0, "short": 0}))  # fmt: skip
+    assert view.claim("q", 4) == 4
+    now[0] += 1.0  # a beat before it could have taken them: still claimed
+    r.hset(keys.WORKERS, "generate@a:1", orjson.dumps({**beat, "last_seen": now[0]}))
+    assert view.idle_slots("q") == 0
+    now[0] += TAKE_S  # took the 4, and 2 more slots freed since
+    r.hset(keys.WORKERS, "generate@a:1",
+           orjson.dumps({**beat, "idle_slots": 2, "last_seen": now[0]}))  # fmt: skip
+    assert view.idle_slots("q") == 2
+    assert CLAIM_S > 2 * TAKE_S + CACHE_S
+
+
 def test_a_delivery_starts_what_its_slots_take_and_at_least_one(r: redis.Redis) -> None:
     """32 free slots: a 64-prompt chunk starts 32 and 32 wait in it, whatever rate the
     slots finish at (prompts sent to the engine can no longer go to another worker); a
@@ -208,8 +252,29 @@ def test_while_peers_idle_flow_control_takes_chunks_only_for_free_slots() -> Non
     """Slack (prompts waiting beyond the slots) is for a worker alone on its queue;
     while another worker has idle slots it would only keep prompts from it."""
     assert chunk_limit(30, 32, 1, 4.0, 64) == 2  # alone: room for slack, one more chunk
-    assert chunk_limit(32, 32, 1, 4.0, 64, peers_idle=True) == 1  # full: none more
-    assert chunk_limit(30, 32, 1, 4.0, 64, peers_idle=True) == 2  # 2 free slots: one
+    assert chunk_limit(32, 32, 1, 4.0, 64, with_slack=False) == 1  # full: none more
+    assert chunk_limit(30, 32, 1, 4.0, 64, with_slack=False) == 2  # 2 free slots: one
+
+
+def test_a_worker_that_gave_back_keeps_no_slack_a_moment(r: redis.Redis) -> None:
+    """32 slots, all running, just after a give-back: the give-back claimed the peer's
+    idle slots, so no peer shows idle here, and with its slack the worker would take a
+    chunk at once, perhaps the very one it gave. For HOLD_OFF_S only a slot of its own
+    that frees takes a chunk; after, the slack again."""
+    ctx = ChunkContext(redis=r, runner=None)  # type: ignore[arg-type]
+    ctx.count_inflight(32)
+    assert keeps_slack(ctx, peers_idle=False, now=100.0)  # never gave back
+    ctx.gave_back_at = 100.0
+
+    def limit(now: float) -> int:
+        kept = keeps_slack(ctx, peers_idle=False, now=now)
+        return chunk_limit(ctx.outstanding, 32, 1, 0.2, 64, with_slack=kept)
+
+    assert limit(100.0 + HOLD_OFF_S / 2) == 1  # full: none taken
+    assert limit(100.0 + HOLD_OFF_S) == 2  # its slack again: one more
+    ctx.count_inflight(-1)  # a slot of its own frees during the hold-off: refilled
+    assert limit(101.0) == 2
+    assert not keeps_slack(ctx, peers_idle=True, now=200.0)  # an idle peer: none either
 
 
 @pytest.mark.slow

@@ -47,6 +47,9 @@ class ChunkContext:
     # The idle slots of the other generate workers (peers.py): prompts waiting here go
     # back to the queue only for them. Set by the worker.
     peers: PeerView | None = None
+    # When a delivery last gave prompts back (time.monotonic()): flow control keeps no
+    # slack a moment after, for the peers to take them (flow_control.HOLD_OFF_S).
+    gave_back_at: float = float("-inf")
     # Called when the worker's slots fall idle with nothing waiting here, so that the
     # others learn it within a second, not at the next regular heartbeat (peers.py).
     on_idle_slots: Callable[[], None] = lambda: None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,11 @@ REFILL_S = 2.0
 MIN_SLACK = 2
 # And at most this many times the capacity, however fast they free.
 MAX_SLACK_RATIO = 2.0
+# After a delivery gave prompts back to other workers' idle slots (held_prompts.py) the
+# worker keeps no slack this long: only its own freed slots take a chunk, so the peers,
+# whose idle slots the give-back claimed, take the new chunks off the queue (they look
+# every ADJUST_INTERVAL_S), not the giver (a prompt run again where it waited).
+HOLD_OFF_S = 3.0
 
 
 def slack(capacity: int, prompts_per_s: float, within_s: float = REFILL_S) -> int:
@@ -46,6 +52,13 @@ def slack(capacity: int, prompts_per_s: float, within_s: float = REFILL_S) -> in
     return max(MIN_SLACK, min(wanted, int(capacity * MAX_SLACK_RATIO)))
 
 
+def keeps_slack(ctx: ChunkContext, peers_idle: bool, now: float) -> bool:
+    """Whether the worker may hold prompts beyond its slots now: not while another
+    worker has idle slots, nor for HOLD_OFF_S after it gave prompts back to one (the
+    give-back claimed those slots, so they no longer show as idle here)."""
+    return not peers_idle and now - ctx.gave_back_at >= HOLD_OFF_S
+
+
 def chunk_limit(
     outstanding: int,
     capacity: int,
@@ -53,17 +66,18 @@ def chunk_limit(
     prompts_per_s: float,
     chunk_size: int = 1,
     *,
-    peers_idle: bool = False,
+    with_slack: bool = True,
 ) -> int:
     """The limit on chunks held, now holding `held` with `outstanding` prompts: more
     while they are fewer than capacity + slack, else one fewer than held (at least 1:
-    Celery reads 0 as no limit). While other workers have idle slots there is no slack:
-    a chunk is taken only for slots free here, since prompts waiting here are prompts
-    an idle worker could be running. With no healthy server (capacity 0) nothing is
-    taken (the queue gate has stopped consumption anyway)."""
+    Celery reads 0 as no limit). Without slack (`keeps_slack`: another worker has idle
+    slots, or was just given prompts) a chunk is taken only for slots free here, since
+    prompts waiting here are prompts an idle worker could be running. With no healthy
+    server (capacity 0) nothing is taken (the queue gate has stopped consumption
+    anyway)."""
     if capacity <= 0:
         return max(1, held)
-    spare = 0 if peers_idle else slack(capacity, prompts_per_s)
+    spare = slack(capacity, prompts_per_s) if with_slack else 0
     shortfall = capacity + spare - outstanding
     if shortfall > 0:
         return held + math.ceil(shortfall / max(chunk_size, 1))
@@ -93,7 +107,7 @@ def make_flow_control(
             qos = consumer.qos
             target = chunk_limit(
                 ctx.outstanding, capacity(), ctx.chunks_held, ctx.prompts.rate(), chunk_size,
-                peers_idle=peers_idle(),
+                with_slack=keeps_slack(ctx, peers_idle(), time.monotonic()),
             )  # fmt: skip
             target = min(target, ceiling)
             if target > qos.value:

@@ -5,13 +5,15 @@ and given to the queue when another worker can start them sooner (docs/design.md
 A delivery starts what its engine's free slots take (`ChunkContext.reserve`), and the
 rest as slots free. The prompts it holds unstarted were never sent to an engine, so
 they can leave at no cost: as many as the other generate workers on the queue have idle
-slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted).
-With no idle peer (one server, or a busy fleet) nothing moves.
+slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted),
+and those beyond the worker's own slack also for a peer's missing slack. With no peer
+short of prompts (one server, or a busy fleet) nothing moves.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -24,6 +26,7 @@ from regen.consumers.generate.chunk_life import (
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engine_loop import Batch
+from regen.consumers.generate.flow_control import slack
 
 log = logging.getLogger("regen.generate")
 
@@ -119,7 +122,11 @@ class HeldPrompts:
         if ctx.peers is None or ctx.messages is None:
             return
         queue = ctx.spec(self._chunk.job).queue
-        count = ctx.peers.claim(queue, len(self.waiting))
+        # Every waiting prompt may go to a peer's idle slots; to a peer's slack only
+        # those beyond this worker's own slack (peers.py: slack never comes back).
+        engine_slack = slack(ctx.runner.engine.capacity(), ctx.prompts.rate())
+        beyond_slack = min(len(self.waiting), ctx.waiting - engine_slack)
+        count = ctx.peers.claim(queue, len(self.waiting), beyond_slack)
         if count <= 0:
             return
         keep, prompts = self.waiting[:-count], self.waiting[-count:]
@@ -127,10 +134,13 @@ class HeldPrompts:
                                      prompts)  # fmt: skip
         self.waiting = keep
         ctx.count_waiting(-count)
+        ctx.gave_back_at = time.monotonic()
+        # The ids let bench/long_generations.py count those the giver ran after all.
         log.info(
             "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
-            "(other workers have idle slots)",
+            "(other workers have room): %s",
             self._chunk.chunk_id,
             count,
             chunks,
+            ",".join(p.id for p in prompts),
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,8 @@ from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
-from regen.consumers.generate.flow_control import make_flow_control
+from regen.consumers.generate.flow_control import keeps_slack, make_flow_control, slack
+from regen.consumers.generate.idle_beat import IdleBeat
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.new_jobs import NewJobs
 from regen.consumers.generate.peers import PeerView
@@ -210,11 +213,14 @@ def run_worker(options: WorkerOptions) -> None:
     app.steps["consumer"].add(make_queue_gate(state))
     chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
     peers = ctx.peers
+
+    def peers_idle() -> bool:
+        return any(peers.idle_slots(q) > 0 for q in state.wanted())
+
     app.steps["consumer"].add(
         make_flow_control(
             ctx, engine.capacity, initial=initial_chunks, ceiling=concurrency,
-            chunk_size=chunk_size,
-            peers_idle=lambda: any(peers.idle_slots(q) > 0 for q in state.wanted()),
+            chunk_size=chunk_size, peers_idle=peers_idle,
         )
     )  # fmt: skip
     watcher = Watcher(options, ctx, state)
@@ -223,17 +229,21 @@ def run_worker(options: WorkerOptions) -> None:
     heartbeat = Heartbeat(
         r,
         name,
-        lambda: _snapshot(options, ctx, state, concurrency),
+        lambda: _snapshot(options, ctx, state, concurrency, peers_idle),
         interval_s=min(configured.heartbeat_interval_s, configured.visibility_timeout_s / 4),
         renew=ctx.leases.renew,
     )
     ctx.on_idle_slots = heartbeat.wake
+    idle_beat = IdleBeat(
+        lambda: (idle_slots(ctx, state), short(ctx, state, peers_idle())), heartbeat.wake
+    )
     metrics = None
     if options.metrics_port is not None:
         metrics = generate_metrics(name, url, ctx, lambda: state.healthy)
         metrics.serve(options.metrics_port)
     watcher.start()
     heartbeat.start()
+    idle_beat.start()
     log.info(
         "generate worker %s: engine %s, %d chunks at once, Redis %s",
         name,
@@ -264,6 +274,7 @@ def run_worker(options: WorkerOptions) -> None:
         )
     finally:
         watcher.stop()
+        idle_beat.stop()
         heartbeat.stop()
         if metrics is not None:
             metrics.close()
@@ -297,8 +308,31 @@ def run_celery_worker(app: Celery, argv: list[str]) -> int:
     return int(workers[0].exitcode or 0)
 
 
+def idle_slots(ctx: ChunkContext, state: QueueState) -> int:
+    """Slots no prompt held here will fill (none while the engine is unhealthy)."""
+    if not state.healthy:
+        return 0
+    return max(0, ctx.runner.engine.capacity() - ctx.outstanding)
+
+
+def short(ctx: ChunkContext, state: QueueState, peers_idle: bool) -> int:
+    """Prompts the worker would take now: its idle slots and the slack its flow control
+    keeps waiting (flow_control.py; none while a peer is idle or just after a give-back).
+    Peers give their waiting prompts beyond their own slack for it (peers.py)."""
+    if not state.healthy:
+        return 0
+    capacity = ctx.runner.engine.capacity()
+    kept = keeps_slack(ctx, peers_idle, time.monotonic())
+    spare = slack(capacity, ctx.prompts.rate()) if kept else 0
+    return max(0, capacity + spare - ctx.outstanding)
+
+
 def _snapshot(
-    options: WorkerOptions, ctx: ChunkContext, state: QueueState, concurrency: int
+    options: WorkerOptions,
+    ctx: ChunkContext,
+    state: QueueState,
+    concurrency: int,
+    peers_idle: Callable[[], bool],
 ) -> dict[str, Any]:
     stats = ctx.runner.engine.stats()
     return {
@@ -315,9 +349,8 @@ def _snapshot(
         # Read by the other generate workers (peers.py): they give their unstarted
         # prompts back to the queue while this worker has slots idle.
         # Its own waiting prompts take its free slots first.
-        "idle_slots": max(0, ctx.runner.engine.capacity() - ctx.outstanding)
-        if state.healthy
-        else 0,
+        "idle_slots": idle_slots(ctx, state),
+        "short": short(ctx, state, peers_idle()),
         "tokens_per_s": ctx.tokens.rate(),
         "tokens_total": ctx.tokens.total,
     }
