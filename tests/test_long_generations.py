@@ -26,7 +26,7 @@ def _bench() -> ModuleType:
 def _args(**changes: object) -> argparse.Namespace:
     args = dict(
         scale=10.0, prompts=64, slots=16, ms_per_token=20.0, slow_ms_per_token=80.0,
-        mean_tokens=1000.0, sigma=0.8, chunk_size=4, max_inflight="auto",
+        mean_tokens=1000.0, sigma=0.8, chunk_size=4, max_inflight="auto", log_dir=None,
     )  # fmt: skip
     return argparse.Namespace(**{**args, **changes})
 
