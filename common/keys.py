@@ -195,6 +195,12 @@ def job_recover_lock(job: str) -> str:
     return _job(job, "recover:lock")
 
 
+def job_publishing(job: str) -> str:
+    """String with an expiry: set while a `regen enqueue` reads and publishes the job's
+    rows (producer/publishing_mark.py), so its queue is not all that is left of it."""
+    return _job(job, "publishing")
+
+
 def job_follower(job: str) -> str:
     """String with an expiry: JSON of the job's live follower (`regen enqueue --follow`),
     renewed at each of its passes; `regen status` flags an unfinished job without one."""

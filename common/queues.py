@@ -37,3 +37,9 @@ def waiting_chunks(r: redis.Redis, spec: JobSpec) -> int:
     """
     backlog = pending_results(r, spec.name)
     return queued_chunks(r, spec.queue) + -(-backlog // spec.chunk_size)
+
+
+def publishing(r: redis.Redis, job: str) -> bool:
+    """Whether a producer is publishing the job's rows now: the job's queue is then not
+    all that is left of it (producer/publishing_mark.py)."""
+    return bool(r.exists(keys.job_publishing(job)))

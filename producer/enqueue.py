@@ -47,6 +47,7 @@ from regen.producer.lost_turns import LostTurns
 from regen.producer.pending_prompt import Pending
 from regen.producer.prompts_to_queue import KnownPrompts
 from regen.producer.publish import ChunkPublisher, CursorBehind
+from regen.producer.publishing_mark import PublishingMark
 from regen.producer.readers import SUPPORTED_SUFFIXES, RawRow, file_fingerprint, iter_rows
 from regen.producer.render import PromptRenderer
 from regen.producer.rows import BadRow
@@ -84,6 +85,7 @@ class Enqueuer:
         self._refusals = Refusals(r, self._spec.name, ids, self.stats)
         self._renderer = PromptRenderer(job, self._refusals)
         self._known = KnownPrompts(r, self._spec.name, ids, self._lost, self._refusals, self.stats)
+        self._mark = PublishingMark(r, self._spec.name)
 
     # --- the loop ------------------------------------------------------------------
 
@@ -96,6 +98,7 @@ class Enqueuer:
                     break
                 budget = self._run_file(path, budget)
         finally:
+            self._mark.clear()
             self._publisher.close()
         self._on_progress(self.stats)
         return self.stats
@@ -129,6 +132,7 @@ class Enqueuer:
         last_row = start
         buffer: list[Pending] = []
         for raw in iter_rows(path, start_row=start):
+            self._mark.renew_if_due()
             if budget is not None:
                 if budget <= 0:
                     break
@@ -239,6 +243,7 @@ class Enqueuer:
     def _wait_for_room(self) -> None:
         """Backpressure: block while the job's window in Redis is full."""
         while True:
+            self._mark.renew_if_due()
             self.stats.waiting = waiting_chunks(self._r, self._spec)
             self.stats.throttled = self.stats.waiting >= self._high_water
             if not self.stats.throttled:

@@ -200,6 +200,8 @@ def _generate_all(
     try:
         while held.running or held.waiting:
             held.start_or_give_back(batch)
+            if not held.running and not held.waiting:
+                break  # every prompt given back to faster servers, none started
             # Every prompt finished by now is handed off together: one round trip.
             finished = _take_finished(batch.finished, held.wake_after_s())
             held.finished(len(finished))

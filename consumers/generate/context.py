@@ -15,6 +15,7 @@ from regen.common import defaults, jobspec, tokenizer_refusals
 from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
+from regen.consumers.generate.answer_stats import AnswerStats
 from regen.consumers.generate.chunk_life import LeaseBook
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
@@ -30,6 +31,8 @@ class ChunkContext:
     # Output tokens and prompts handed off, for heartbeats and metrics.
     tokens: RateMeter = field(default_factory=RateMeter)
     prompts: RateMeter = field(default_factory=RateMeter)
+    # The recent answers' lengths and latencies: this server's speed (answer_stats.py).
+    answers: AnswerStats = field(default_factory=AnswerStats)
     # Prompts submitted to the engine and not finished; chunks being worked on; the
     # limit on chunks held that flow control sets (see flow_control.py).
     inflight: int = 0
@@ -47,6 +50,10 @@ class ChunkContext:
     # The idle slots of the other generate workers (peers.py): prompts waiting here go
     # back to the queue only for them. Set by the worker.
     peers: PeerView | None = None
+    # Whether the worker leaves a queue's last prompts to faster servers now: a delivery
+    # then starts none of its waiting prompts and gives them back (stand_down.py). Set
+    # by the worker.
+    leaving: Callable[[str], bool] = lambda queue: False
     # When a delivery last gave prompts back (time.monotonic()): flow control keeps no
     # slack a moment after, for the peers to take them (flow_control.HOLD_OFF_S).
     gave_back_at: float = float("-inf")

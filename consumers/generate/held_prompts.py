@@ -7,7 +7,9 @@ rest as slots free. The prompts it holds unstarted were never sent to an engine,
 they can leave at no cost: as many as the other generate workers on the queue have idle
 slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstarted),
 and those beyond the worker's own slack also for a peer's missing slack. With no peer
-short of prompts (one server, or a busy fleet) nothing moves.
+short of prompts (one server, or a busy fleet) nothing moves. At a job's end, a worker
+that leaves the job's last prompts to faster servers (stand_down.py) starts none of them
+and gives back all it holds.
 """
 
 from __future__ import annotations
@@ -53,14 +55,17 @@ class HeldPrompts:
         self._lease = lease
         self._chunk = chunk
         self._sampling = sampling
+        self._queue = ctx.spec(chunk.job).queue
         self.started: list[ChunkPrompt] = []
         self.running = 0
         self.waiting = list(todo)
         ctx.count_waiting(len(todo))
 
     def start_first(self) -> Batch[GenerateResult]:
-        """Start what the worker has free slots for, at least one prompt."""
-        count = self._ctx.reserve(len(self.waiting))
+        """Start what the worker has free slots for, at least one prompt, unless the
+        worker leaves the job's last prompts to faster servers (then none)."""
+        leaving = self._ctx.leaving(self._queue)
+        count = 0 if leaving else self._ctx.reserve(len(self.waiting))
         prompts = self._take(count)
         if self.waiting:
             log.info("chunk %s: starts %d prompts, holds %d until slots free",
@@ -73,9 +78,12 @@ class HeldPrompts:
 
     def start_or_give_back(self, batch: Batch[GenerateResult]) -> None:
         """Start waiting prompts the worker has free slots for now; give as many of the
-        rest back as other workers have idle slots. Raises LeaseLost (nothing given
-        back)."""
+        rest back as other workers have idle slots; all of them when the worker leaves
+        the job's last prompts to faster servers. Raises LeaseLost (nothing given back)."""
         if not self.waiting:
+            return
+        if self._ctx.leaving(self._queue):
+            self._send_back(len(self.waiting), "faster servers finish the job's last prompts")
             return
         # At least one when none runs: a delivery always makes progress.
         count = self._ctx.reserve(len(self.waiting), at_least=0 if self.running else 1)
@@ -119,28 +127,33 @@ class HeldPrompts:
         """Give back as many of the last waiting prompts as other workers have idle
         slots (claimed for them; the first waiting prompts start here as slots free)."""
         ctx = self._ctx
-        if ctx.peers is None or ctx.messages is None:
+        if ctx.peers is None:
             return
-        queue = ctx.spec(self._chunk.job).queue
         # Every waiting prompt may go to a peer's idle slots; to a peer's slack only
         # those beyond this worker's own slack (peers.py: slack never comes back).
         engine_slack = slack(ctx.runner.engine.capacity(), ctx.prompts.rate())
         beyond_slack = min(len(self.waiting), ctx.waiting - engine_slack)
-        count = ctx.peers.claim(queue, len(self.waiting), beyond_slack)
-        if count <= 0:
+        count = ctx.peers.claim(self._queue, len(self.waiting), beyond_slack)
+        if count > 0:
+            self._send_back(count, "other workers have room")
+
+    def _send_back(self, count: int, why: str) -> None:
+        """Give the last `count` waiting prompts back to the queue in new chunks."""
+        ctx = self._ctx
+        if ctx.messages is None:
             return
         keep, prompts = self.waiting[:-count], self.waiting[-count:]
-        chunks = give_back_unstarted(ctx.redis, ctx.messages, queue, self._lease, self._chunk,
-                                     prompts)  # fmt: skip
+        chunks = give_back_unstarted(ctx.redis, ctx.messages, self._queue, self._lease,
+                                     self._chunk, prompts)  # fmt: skip
         self.waiting = keep
         ctx.count_waiting(-count)
         ctx.gave_back_at = time.monotonic()
         # The ids let bench/long_generations.py count those the giver ran after all.
         log.info(
-            "chunk %s: gave %d prompts it had not started back to the queue in %d chunks "
-            "(other workers have room): %s",
+            "chunk %s: gave %d prompts it had not started back to the queue in %d chunks (%s): %s",
             self._chunk.chunk_id,
             count,
             chunks,
+            why,
             ",".join(p.id for p in prompts),
         )

@@ -48,11 +48,14 @@ TAKE_S = 1.5
 
 @dataclass(frozen=True)
 class PeerRoom:
-    """What one peer's last beat says: idle slots, prompts short, when it beat."""
+    """What one peer's last beat says: idle slots, prompts short, when it beat; and its
+    engine's slots and one request's decode speed (tokens/s, None until measured)."""
 
     idle: int
     short: int
     seen: float
+    slots: int = 0
+    decode_tps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,13 @@ class PeerView:
                 self._claims.append(Claim(self._clock(), queue, for_idle, for_slack, takers))
             return for_idle + for_slack
 
+    def faster(self, queue: str, than_tps: float) -> list[PeerRoom]:
+        """The live peers consuming `queue` whose requests decode at least `than_tps`."""
+        with self._lock:
+            self._refresh()
+            rooms = self._rooms.get(queue, {}).values()
+            return [r for r in rooms if r.decode_tps is not None and r.decode_tps >= than_tps]
+
     def _total(self, queue: str) -> PeerRoom:
         rooms = self._rooms.get(queue, {}).values()
         return PeerRoom(sum(r.idle for r in rooms), sum(r.short for r in rooms), 0.0)
@@ -143,7 +153,11 @@ class PeerView:
             if beat.get("kind") != "generate" or not beat.get("healthy") or not fresh:
                 continue
             idle = int(beat.get("idle_slots", 0))
-            room = PeerRoom(idle, max(idle, int(beat.get("short", 0))), float(beat["last_seen"]))
+            speed = beat.get("decode_tps")
+            room = PeerRoom(
+                idle, max(idle, int(beat.get("short", 0))), float(beat["last_seen"]),
+                int(beat.get("slots", 0)), None if speed is None else float(speed),
+            )  # fmt: skip
             for queue in beat.get("queues", []):
                 rooms.setdefault(queue, {})[name] = room
         return rooms

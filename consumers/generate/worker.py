@@ -33,6 +33,7 @@ from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.new_jobs import NewJobs
 from regen.consumers.generate.peers import PeerView
 from regen.consumers.generate.poison import PoisonFilter
+from regen.consumers.generate.stand_down import StandDown
 from regen.consumers.generate.tasks import register
 
 log = logging.getLogger("regen.generate")
@@ -78,7 +79,7 @@ class QueueState:
             return set(self._queues) if self.healthy else set()
 
 
-def make_queue_gate(state: QueueState) -> type[bootsteps.StartStopStep]:
+def make_queue_gate(consumed: Callable[[], set[str]]) -> type[bootsteps.StartStopStep]:
     class QueueGate(bootsteps.StartStopStep):
         """Adds and cancels queues on the consumer's own loop (kombu is not thread-safe)."""
 
@@ -89,12 +90,13 @@ def make_queue_gate(state: QueueState) -> type[bootsteps.StartStopStep]:
 
         def apply(self, consumer: Any) -> None:
             active = {q.name for q in consumer.task_consumer.queues}
-            wanted = state.wanted()
+            wanted = consumed()
             for queue in sorted(wanted - active):
                 log.info("consuming %s", queue)
                 consumer.add_task_queue(queue)
             for queue in sorted(active - wanted):
-                log.warning("not consuming %s (engine unhealthy or job gone)", queue)
+                log.warning("not consuming %s (engine unhealthy, job gone, or its end left "
+                            "to faster servers)", queue)  # fmt: skip
                 consumer.cancel_task_queue(queue)
 
     return QueueGate
@@ -210,12 +212,20 @@ def run_worker(options: WorkerOptions) -> None:
     ctx.room = lambda running: engine.capacity() - running
     ctx.messages = ChunkMessages(app)
     ctx.peers = PeerView(r, name)
-    app.steps["consumer"].add(make_queue_gate(state))
-    chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
     peers = ctx.peers
+    # At a job's end, the queues it leaves to faster servers (stand_down.py).
+    stand_down = StandDown(r, peers, ctx.answers, state.wanted,
+                           lambda job: ctx.spec(job).chunk_size)  # fmt: skip
+    ctx.leaving = stand_down.leaves
+
+    def consumed() -> set[str]:
+        return state.wanted() - stand_down.left()
+
+    app.steps["consumer"].add(make_queue_gate(consumed))
+    chunk_size = max([spec.chunk_size for spec in specs] or [defaults.CHUNK_SIZE])
 
     def peers_idle() -> bool:
-        return any(peers.idle_slots(q) > 0 for q in state.wanted())
+        return any(peers.idle_slots(q) > 0 for q in consumed())
 
     app.steps["consumer"].add(
         make_flow_control(
@@ -229,7 +239,7 @@ def run_worker(options: WorkerOptions) -> None:
     heartbeat = Heartbeat(
         r,
         name,
-        lambda: _snapshot(options, ctx, state, concurrency, peers_idle),
+        lambda: _snapshot(options, ctx, state, consumed, concurrency, peers_idle),
         interval_s=min(configured.heartbeat_interval_s, configured.visibility_timeout_s / 4),
         renew=ctx.leases.renew,
     )
@@ -244,6 +254,7 @@ def run_worker(options: WorkerOptions) -> None:
     watcher.start()
     heartbeat.start()
     idle_beat.start()
+    stand_down.start()
     log.info(
         "generate worker %s: engine %s, %d chunks at once, Redis %s",
         name,
@@ -274,6 +285,7 @@ def run_worker(options: WorkerOptions) -> None:
         )
     finally:
         watcher.stop()
+        stand_down.stop()
         idle_beat.stop()
         heartbeat.stop()
         if metrics is not None:
@@ -331,6 +343,7 @@ def _snapshot(
     options: WorkerOptions,
     ctx: ChunkContext,
     state: QueueState,
+    consumed: Callable[[], set[str]],
     concurrency: int,
     peers_idle: Callable[[], bool],
 ) -> dict[str, Any]:
@@ -339,7 +352,9 @@ def _snapshot(
         "kind": "generate",
         "engine": options.engine,
         "healthy": state.healthy,
-        "queues": sorted(state.wanted()),
+        # Without the queues it leaves to faster servers: no peer gives prompts back
+        # for its idle slots there.
+        "queues": sorted(consumed()),
         "concurrency": concurrency,
         "chunks_held": ctx.chunks_held,
         "leases_held": ctx.leases.held,
@@ -351,6 +366,9 @@ def _snapshot(
         # Its own waiting prompts take its free slots first.
         "idle_slots": idle_slots(ctx, state),
         "short": short(ctx, state, peers_idle()),
+        # Read by slower peers (stand_down.py): how fast this server finishes a job's end.
+        "slots": ctx.runner.engine.capacity() if state.healthy else 0,
+        "decode_tps": ctx.answers.decode_tps(),
         "tokens_per_s": ctx.tokens.rate(),
         "tokens_total": ctx.tokens.total,
     }

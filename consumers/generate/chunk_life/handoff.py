@@ -52,6 +52,7 @@ def hand_off(
         if is_fresh:
             ctx.tokens.add(result.completion_tokens)
             ctx.prompts.add()
+            ctx.answers.add(result.completion_tokens, result.latency_s)
     return fresh
 
 
