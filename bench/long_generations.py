@@ -9,7 +9,9 @@ each run:
 - busy: the share of each server's slot time that was busy from the first request
   until the last prompt (or turn) was started, while some prompt could have started
   but had not (a conversation's next turn can start only once its previous turn has
-  ended): no slot idle while work waits;
+  ended): no slot idle while work waits. A server whose worker left the job's last
+  prompts to faster servers (docs/design.md, "Faster servers take the end") is not
+  counted while it was away; the seconds it was are printed beside it;
 - waste: the share of busy slot time spent on answers later thrown away (aborted
   mid-way, answered twice, or lost with a killed server);
 - aborted requests, chunks given back (deliveries that ended other than done);
@@ -43,12 +45,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +97,9 @@ class Figures:
     moved: int = 0  # prompts not started, given back to the queue for another worker
     moved_back: int = 0  # of those, run by the worker that gave them back
     per_server_prompts: list[int] | None = None
+    # Per server: seconds its worker had left the job's end to faster servers while
+    # work waited (not counted in busy).
+    away_s: list[float] | None = None
 
     @property
     def span_over_ideal(self) -> float:
@@ -154,7 +161,8 @@ def run(name: str, args: argparse.Namespace) -> Figures:
         stats = [server.stats() for server in servers]
         for i, server in enumerate(servers):
             logs[i] += server.slot_log()
-        figures = measure(name, r, spec, logs, stats, speeds, args, waste_s, lost)
+        away = [stand_downs(worker.log()) for worker in workers]
+        figures = measure(name, r, spec, logs, stats, speeds, args, waste_s, lost, away)
         figures = moves(figures, r, spec, workers)
         if args.log_dir:
             args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -268,10 +276,11 @@ def measure(
     args: argparse.Namespace,
     lost_s: float,
     lost: int,
+    away: list[list[tuple[float, float]]] | None = None,
 ) -> Figures:
     entries = [e for log in logs for e in log]
     first = min(e["start"] for e in entries)
-    busy = busy_while_work_waits(logs, args.slots)
+    busy, away_s = busy_and_away(logs, args.slots, away)
     total_busy = sum(e["end"] - e["start"] for e in entries)
     waste_s = lost_s + sum(s["aborted_busy_s"] + s["repeated_busy_s"] for s in stats)
     chunk_ids = [raw.decode() for raw in r.hkeys(keys.job_chunks(spec.name))]
@@ -294,6 +303,7 @@ def measure(
         ideal_s=useful / rate,
         redone=sum(n - 1 for n in started.values()),
         lost_at_kill=lost,
+        away_s=away_s,
     )
 
 
@@ -333,6 +343,36 @@ def busy_while_work_waits(logs: list[list[dict[str, Any]]], slots: int) -> list[
     """Per server, the share of its slot time busy while some request of the job could
     have started but had not, from the server's first request (its worker joined the
     fleet: the fleet runs start them one after the other) until the last one started."""
+    return busy_and_away(logs, slots)[0]
+
+
+def stand_downs(worker_log: str) -> list[tuple[float, float]]:
+    """When the worker left the job's last prompts to faster servers (stand_down.py),
+    until it took the queue again (or the end): (from, to) in epoch seconds."""
+    spans: list[tuple[float, float]] = []
+    left_at: float | None = None
+    for line in worker_log.splitlines():
+        if "leaving the last prompts of" in line or (" taking " in line and " again" in line):
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if "leaving" in line:
+                left_at = stamp
+            elif left_at is not None:
+                spans.append((left_at, stamp))
+                left_at = None
+    if left_at is not None:
+        spans.append((left_at, math.inf))
+    return spans
+
+
+def busy_and_away(
+    logs: list[list[dict[str, Any]]],
+    slots: int,
+    away: list[list[tuple[float, float]]] | None = None,
+) -> tuple[list[float], list[float]]:
+    """busy_while_work_waits, but a server does not count as waited on while its worker
+    had left the job's end to faster servers (`away`, per server: stand_downs): its
+    idle slots then are the schedule, not a prompt stuck. Also returns, per server, the
+    seconds it was away while work waited."""
     entries = [e for log in logs for e in log]
     first = min(e["start"] for e in entries)
     last_start = max(e["start"] for e in entries)
@@ -343,15 +383,22 @@ def busy_while_work_waits(logs: list[list[dict[str, Any]]], slots: int) -> list[
     joined = [min((e["start"] for e in log), default=last_start) for log in logs]
     busy = [0.0 for _ in logs]
     waited = [0.0 for _ in logs]
+    gone = [0.0 for _ in logs]
+    spans = away or [[] for _ in logs]
     for a, b in itertools.pairwise(times):
         mid = (a + b) / 2
         if not any(available[i] <= mid < e["start"] for i, e in enumerate(entries)):
             continue  # nothing could start: an idle slot wastes nothing
         for s, log in enumerate(logs):
-            if mid >= joined[s]:
-                waited[s] += b - a
-                busy[s] += (b - a) * sum(e["start"] <= mid < e["end"] for e in log)
-    return [b / (slots * w) if w else 1.0 for b, w in zip(busy, waited, strict=True)]
+            if mid < joined[s]:
+                continue
+            if any(start <= mid < end for start, end in spans[s]):
+                gone[s] += b - a
+                continue
+            waited[s] += b - a
+            busy[s] += (b - a) * sum(e["start"] <= mid < e["end"] for e in log)
+    shares = [b / (slots * w) if w else 1.0 for b, w in zip(busy, waited, strict=True)]
+    return shares, gone
 
 
 def report(f: Figures, args: argparse.Namespace) -> None:
@@ -363,6 +410,7 @@ def report(f: Figures, args: argparse.Namespace) -> None:
         f"waste {f.waste:.2%}, aborted {f.aborted}, given back {f.given_back}, "
         f"prompts moved {f.moved} (back to their giver {f.moved_back}), "
         f"prompts per server {f.per_server_prompts}, "
+        f"left to faster servers {' '.join(f'{a:.0f}' for a in f.away_s or [])} s, "
         f"span {f.span_s:.0f} s over ideal {f.ideal_s:.0f} s = {f.span_over_ideal:.2f}x"
         + (f", lost at kill {f.lost_at_kill}, redone {f.redone}" if f.run == "kill" else ""),
         flush=True,

@@ -59,3 +59,28 @@ def test_an_idle_slot_counts_only_while_a_request_could_have_started() -> None:
     # Without p, turn 2 waited on turn 1 alone: never an idle slot with work waiting.
     (busy,) = _bench().busy_while_work_waits([log[:2]], slots=1)
     assert busy == pytest.approx(1.0)
+
+
+def test_a_server_whose_worker_left_the_jobs_end_is_not_counted_while_away() -> None:
+    """Two servers of one slot. The fast one runs p1-p4 back to back (0-40 s); the slow
+    one runs s1 (0-15 s), then its worker leaves the job's end (15 s on): its idle slot
+    while p3 and p4 wait counts as away, not as idle."""
+    bench = _bench()
+    fast = [_entry(f"k-p{i}-0", 10.0 * (i - 1), 10.0 * i) for i in range(1, 5)]
+    slow = [_entry("k-s1-0", 0.0, 15.0)]
+    log = (
+        "2026-12-05 19:00:15,000 regen.generate leaving the last prompts of q to faster "
+        "servers (under 96 queued)\n"
+    )
+    away = bench.stand_downs(log)
+    assert len(away) == 1 and away[0][1] == float("inf")
+    start = away[0][0]
+    shifted = [{**e, "start": e["start"] + start - 15.0, "end": e["end"] + start - 15.0}
+               for e in fast + slow]  # fmt: skip
+    busy, gone = bench.busy_and_away([shifted[:4], shifted[4:]], 1, [[], away])
+    assert busy == pytest.approx([1.0, 1.0]) and gone == pytest.approx([0.0, 15.0])
+    # Without the stand-down, the slow server's idle slot 15-30 s counts against it.
+    (_, slow_busy) = bench.busy_while_work_waits([shifted[:4], shifted[4:]], slots=1)
+    assert slow_busy == pytest.approx(0.5)
+    back = log + "2026-12-05 19:00:20,000 regen.generate taking q again\n"
+    assert bench.stand_downs(back) == [(start, start + 5.0)]
