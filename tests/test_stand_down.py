@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -19,8 +18,8 @@ from regen.consumers.generate.answer_stats import MIN_ANSWERS, AnswerStats
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
-from regen.consumers.generate.peers import PeerRoom, PeerView
-from regen.consumers.generate.stand_down import FASTER, RESUME_FACTOR, StandDown, leave_below
+from regen.consumers.generate.peers import CACHE_S, PeerRoom, PeerView
+from regen.consumers.generate.stand_down import FASTER, StandDown, leave_below
 from regen.ops.reconcile import reconcile
 from regen.producer.enqueue import Enqueuer
 from regen.producer.publishing_mark import RENEW_S, TTL_S, PublishingMark
@@ -119,12 +118,22 @@ def test_a_slow_worker_leaves_a_queue_the_faster_peers_would_finish_sooner(
     queue_chunks(r, 11)  # ... 88 queued: a long answer here ends after it is done
     decision.look()
     assert decision.left() == {QUEUE} and decision.leaves(QUEUE)
-    # Taken again only at twice the bound: a given-back chunk counted whole does not
-    # move it back and forth.
-    queue_chunks(r, 13)
+    # It stays away however the queue grows (the prompts it gave back as it left come
+    # back in chunks of at most 8, each read as a whole one) ...
+    queue_chunks(r, 100)
     decision.look()
     assert decision.leaves(QUEUE)
-    queue_chunks(r, math.ceil(96 * RESUME_FACTOR / 8))
+    # ... until a producer publishes the job's rows again ...
+    PublishingMark(r, "j").renew_if_due()
+    decision.look()
+    assert not decision.leaves(QUEUE)
+    PublishingMark(r, "j").clear()
+    queue_chunks(r, 11)
+    decision.look()
+    assert decision.leaves(QUEUE)
+    # ... or no faster peer is left.
+    r.hdel(keys.WORKERS, "generate@fast:1")
+    time.sleep(CACHE_S)  # the peers' beats are read at most every CACHE_S
     decision.look()
     assert not decision.leaves(QUEUE)
 

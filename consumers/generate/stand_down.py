@@ -24,9 +24,11 @@ Queued prompts are read as queued chunks times the job's chunk size: an upper bo
 chunk given back holds fewer), so the reading errs towards the worker staying. While a
 producer publishes the job's rows it refills the queue to its high-water mark whatever
 is left of the job: no stand-down then (producer/publishing_mark.py). A worker that left
-a queue takes it again once the queue holds RESUME_FACTOR times the bound (another
-enqueue, a requeue); the factor keeps the count of a small given-back chunk, read as a
-whole chunk, from moving it back and forth.
+a queue stays away until a producer publishes the job's rows again or no faster peer is
+left (dead, unhealthy, or gone to another job): the prompts it gives back as it leaves
+fill the queue again, in small chunks that would read as whole ones, and reading them
+as new work took the queue back a second later (the bench's first run: 20 prompts run
+by the worker that gave them back).
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ log = logging.getLogger("regen.generate")
 # one kind measure within a few percent of each other, and must never stand each other
 # down.
 FASTER = 1.25
-# A queue left is taken again once it holds this many times the bound.
-RESUME_FACTOR = 2.0
 # How often the worker looks: once a second, a few commands whatever the job's size.
 LOOK_S = 1.0
 
@@ -134,8 +134,10 @@ class StandDown(threading.Thread):
         job = keys.job_of_queue(queue)
         if job is None or publishing(self._r, job):
             return False
-        queued = queued_chunks(self._r, queue) * self._chunk_size(job)
         with self._lock:
             if queue in self._left:
-                bound *= RESUME_FACTOR
-        return queued < bound
+                # Stays left: the queue grows by the prompts this worker gave back as
+                # it left, prompts already counted, in chunks of at most 8 that would
+                # read as whole ones.
+                return True
+        return queued_chunks(self._r, queue) * self._chunk_size(job) < bound
