@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from regen.producer.enqueue import Enqueuer
 from regen.producer.job_ids import JobIds
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import job_ids, write_jsonl
+from tests.redis_server import running_redis
+from tests.sglang_standin.process import StandinHandle, run_standin
 
 REPO = Path(__file__).resolve().parents[1]
 # The chunk lease, shortened from 100 s so that a killed worker's chunk comes back within
@@ -43,6 +46,21 @@ def enqueue_prompts(
     jobspec.save(r, prepared.spec)
     Enqueuer(r, make_app(url), prepared, high_water=10_000).run([path])
     return prepared.spec
+
+
+@contextmanager
+def job_on_a_small_server(
+    tmp_path: Path, prompts: list[str], chunk_size: int
+) -> Iterator[tuple[str, StandinHandle, redis.Redis, jobspec.JobSpec]]:
+    """A Redis of its own, a stand-in of 4 slots answering 20 tokens at 50 tokens/s, and
+    job "g" of `prompts` enqueued: (Redis URL, server, client, spec)."""
+    with (
+        running_redis(tmp_path / "redis") as redis_server,
+        run_standin(max_running_requests=4, decode_tokens_per_s=50,
+                    output_len_dist="fixed:n=20") as server,
+    ):  # fmt: skip
+        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=chunk_size)
+        yield redis_server.url, server, redis.Redis.from_url(redis_server.url), spec
 
 
 class GroupProcess:

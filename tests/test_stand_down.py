@@ -30,11 +30,10 @@ from tests.generate_harness import (
     attempts,
     enqueue_prompts,
     enqueued_ids,
+    job_on_a_small_server,
     results,
 )
 from tests.helpers import wait_for, write_jsonl
-from tests.redis_server import running_redis
-from tests.sglang_standin.process import run_standin
 from tests.test_unstarted_give_back import deliver, queued_chunks
 
 QUEUE = keys.generate_queue("j")
@@ -250,17 +249,11 @@ def test_a_slow_worker_gives_back_and_stops_taking_then_takes_again_when_alone(
     what it holds and takes no chunk; with the peer gone it takes the queue again,
     and every prompt is generated exactly once, none started twice."""
     prompts = [f"Tell me about mountain number {i}." for i in range(48)]
-    with (
-        running_redis(tmp_path / "redis") as redis_server,
-        run_standin(max_running_requests=4, decode_tokens_per_s=50,
-                    output_len_dist="fixed:n=20") as server,
-    ):  # fmt: skip
-        r = redis.Redis.from_url(redis_server.url)
-        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=4)
+    with job_on_a_small_server(tmp_path, prompts, chunk_size=4) as (url, server, r, spec):
         # 20x faster, 1,000 slots: it would finish any queue before a long answer here.
         beat(r, "generate@fast:1", 1000.0, slots=1000, queue=spec.queue)
         common = ["--engine", "sglang", "--max-inflight", "4", "--jobs", "g"]
-        with Worker(redis_server.url, tmp_path, *common, "--server", server.url) as worker:
+        with Worker(url, tmp_path, *common, "--server", server.url) as worker:
             wait_for(lambda: "leaving the last prompts of" in worker.log(), timeout=120,
                      what="the worker to leave the job's end to the faster peer")  # fmt: skip
             wait_for(lambda: orjson.loads(r.hget(keys.WORKERS, worker.name))["queues"] == [],

@@ -36,6 +36,7 @@ from tests.generate_harness import (
     attempts,
     enqueue_prompts,
     enqueued_ids,
+    job_on_a_small_server,
     result_ids,
     results,
 )
@@ -326,18 +327,12 @@ def test_a_worker_killed_right_after_giving_back_loses_and_repeats_nothing(
     The chunk comes back when its lease lapses; its next delivery skips what was given
     back, the new chunks run once, and every prompt is generated exactly once."""
     prompts = [f"Tell me about lake number {i}." for i in range(16)]
-    with (
-        running_redis(tmp_path / "redis") as redis_server,
-        run_standin(max_running_requests=4, decode_tokens_per_s=50,
-                    output_len_dist="fixed:n=20") as server,
-    ):  # fmt: skip
-        r = redis.Redis.from_url(redis_server.url)
-        spec = enqueue_prompts(redis_server.url, tmp_path, prompts, chunk_size=16)
+    with job_on_a_small_server(tmp_path, prompts, chunk_size=16) as (url, server, r, spec):
         (published,) = [k.decode() for k in r.hkeys(keys.job_chunks("g"))]
         common = ["--engine", "sglang", "--max-inflight", "4", "--jobs", "g"]
         common += ["--server", server.url]
         idle_peer(r, spec.queue)
-        crashing = Worker(redis_server.url, tmp_path, *common,
+        crashing = Worker(url, tmp_path, *common,
                           env={"REGEN_CRASHPOINT": "generate.after_give_back"})  # fmt: skip
         crashing.process.wait(timeout=120)
         crashing.kill()  # its process group
@@ -347,7 +342,7 @@ def test_a_worker_killed_right_after_giving_back_loses_and_repeats_nothing(
         assert started_before <= 4
         assert len(r.smembers(keys.chunk_generated("g", published))) == 4
         r.hdel(keys.WORKERS, "generate@peer:1")
-        with Worker(redis_server.url, tmp_path, *common):
+        with Worker(url, tmp_path, *common):
             wait_for(lambda: all_generated(r, spec), timeout=180, what="the job")
         history = [a["status"] for a in attempts(r, "g", published)]
         assert history == ["started", "done"]  # the dead delivery, then the one that ran
