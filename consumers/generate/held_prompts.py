@@ -64,8 +64,7 @@ class HeldPrompts:
     def start_first(self) -> Batch[GenerateResult]:
         """Start what the worker has free slots for, at least one prompt, unless the
         worker leaves the job's last prompts to faster servers (then none)."""
-        leaving = self._ctx.leaving(self._queue)
-        count = 0 if leaving else self._ctx.reserve(len(self.waiting))
+        count = 0 if self._leaving() else self._ctx.reserve(len(self.waiting))
         prompts = self._take(count)
         if self.waiting:
             log.info("chunk %s: starts %d prompts, holds %d until slots free",
@@ -82,7 +81,7 @@ class HeldPrompts:
         the job's last prompts to faster servers. Raises LeaseLost (nothing given back)."""
         if not self.waiting:
             return
-        if self._ctx.leaving(self._queue):
+        if self._leaving():
             self._send_back(len(self.waiting), "faster servers finish the job's last prompts")
             return
         # At least one when none runs: a delivery always makes progress.
@@ -108,6 +107,11 @@ class HeldPrompts:
     def wake_after_s(self) -> float | None:
         """How long to wait for an outcome before looking again (None: until one)."""
         return WAITING_CHECK_S if self.waiting else None
+
+    def _leaving(self) -> bool:
+        """The worker leaves the job's last prompts to faster servers, and can give
+        prompts back (a worker always can; a bare context cannot, and starts them)."""
+        return self._ctx.messages is not None and self._ctx.leaving(self._queue)
 
     def _take(self, count: int) -> list[ChunkPrompt]:
         prompts, self.waiting = self.waiting[:count], self.waiting[count:]
@@ -141,7 +145,7 @@ class HeldPrompts:
         """Give the last `count` waiting prompts back to the queue in new chunks."""
         ctx = self._ctx
         if ctx.messages is None:
-            return
+            return  # a bare context (no Celery app to render chunks): they stay
         keep, prompts = self.waiting[:-count], self.waiting[-count:]
         chunks = give_back_unstarted(ctx.redis, ctx.messages, self._queue, self._lease,
                                      self._chunk, prompts)  # fmt: skip
