@@ -91,7 +91,11 @@ def job_table(job: dict[str, Any]) -> Table:
         other = job["dead_letters_without_prompt"]
         table.add_row("bad rows", ", ".join(f"{r} {n:,}" for r, n in sorted(other.items())))
     workers = job["workers"]
-    table.add_row("workers", f"{workers['generate']} generate · {workers['tokenize']} tokenize")
+    left = workers.get("left_to_faster", 0)
+    gone = f" (+{left} left the end to faster servers)" if left else ""
+    table.add_row(
+        "workers", f"{workers['generate']} generate{gone} · {workers['tokenize']} tokenize"
+    )
     for flag in job["flags"]:
         table.add_row(Text("warning", style="bold red"), Text(flag, style="red"))
     return table

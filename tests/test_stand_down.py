@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
+from rich.console import Console
 
 from regen.common import jobspec, keys
 from regen.common.celery_app import make_app
@@ -21,9 +22,11 @@ from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.peers import CACHE_S, PeerRoom, PeerView
 from regen.consumers.generate.stand_down import FASTER, StandDown, leave_below
 from regen.ops.reconcile import reconcile
+from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer
 from regen.producer.publishing_mark import RENEW_S, TTL_S, PublishingMark
 from regen.producer.spec import JobOptions, prepare_job
+from regen.status_view import job_table
 from tests.generate_harness import (
     Worker,
     all_generated,
@@ -262,6 +265,12 @@ def test_a_slow_worker_gives_back_and_stops_taking_then_takes_again_when_alone(
                      what="its running answers to finish")  # fmt: skip
             started = server.stats()["requests_total"]
             assert 8 <= started < len(prompts)
+            # `regen status` counts it apart: the fast peer consumes the queue, it left.
+            (job,) = snapshot(r, "g")["jobs"]
+            assert job["workers"]["generate"] == 1 and job["workers"]["left_to_faster"] == 1
+            shown = Console(width=200, record=True)
+            shown.print(job_table(job))
+            assert "1 generate (+1 left the end to faster servers)" in shown.export_text()
             # Standing down, it starts nothing: the rest stay on the queue.
             time.sleep(3)
             assert server.stats()["requests_total"] == started

@@ -338,7 +338,7 @@ def test_at_the_end_everything_is_done_or_dead_lettered(run: dict) -> None:
     shards = job["shards"]
     assert shards["count"] >= 4 and shards["bytes"] > 0 and shards["free_bytes"] > 0
     assert shards["dir"] == str((run["out"] / JOB).resolve())
-    assert job["workers"] == {"generate": 1, "tokenize": 1}
+    assert job["workers"] == {"generate": 1, "tokenize": 1, "left_to_faster": 0}
     assert checked.exit_code == 0, checked.output
     report = orjson.loads(checked.output)
     assert report["places"] == {"done": 16, "dead_lettered": 2, "missing": 0}

@@ -239,7 +239,7 @@ def run_worker(options: WorkerOptions) -> None:
     heartbeat = Heartbeat(
         r,
         name,
-        lambda: _snapshot(options, ctx, state, consumed, concurrency, peers_idle),
+        lambda: _snapshot(options, ctx, state, stand_down, concurrency, peers_idle),
         interval_s=min(configured.heartbeat_interval_s, configured.visibility_timeout_s / 4),
         renew=ctx.leases.renew,
     )
@@ -343,7 +343,7 @@ def _snapshot(
     options: WorkerOptions,
     ctx: ChunkContext,
     state: QueueState,
-    consumed: Callable[[], set[str]],
+    stand_down: StandDown,
     concurrency: int,
     peers_idle: Callable[[], bool],
 ) -> dict[str, Any]:
@@ -353,8 +353,9 @@ def _snapshot(
         "engine": options.engine,
         "healthy": state.healthy,
         # Without the queues it leaves to faster servers: no peer gives prompts back
-        # for its idle slots there.
-        "queues": sorted(consumed()),
+        # for its idle slots there. `regen status` counts it apart on those.
+        "queues": sorted(state.wanted() - stand_down.left()),
+        "left_to_faster": sorted(stand_down.left()),
         "concurrency": concurrency,
         "chunks_held": ctx.chunks_held,
         "leases_held": ctx.leases.held,

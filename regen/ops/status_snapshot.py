@@ -94,6 +94,8 @@ def job_status(
 
     live = [w for w in workers if not w["stale"]]
     generators = [w for w in live if w.get("kind") == "generate" and spec.queue in w["queues"]]
+    # Workers on slower servers that left the job's end to faster ones (stand_down.py).
+    left = [w for w in live if spec.queue in w.get("left_to_faster", [])]
     tokenizers = [w for w in live if w.get("kind") == "tokenize" and job in w.get("jobs", {})]
     flags = []
     behind = _behind_disk(ledger, job, output, live)
@@ -158,7 +160,10 @@ def job_status(
             "count": totals.shards, "bytes": totals.shard_bytes, "dir": output.get("dir"),
             "host": output.get("host"), "free_bytes": free,
         },
-        "workers": {"generate": len(generators), "tokenize": len(tokenizers)},
+        "workers": {
+            "generate": len(generators), "tokenize": len(tokenizers),
+            "left_to_faster": len(left),
+        },
         "flags": flags,
     }  # fmt: skip
 
