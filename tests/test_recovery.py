@@ -61,10 +61,16 @@ def last_beat(r: redis.Redis, worker: Worker) -> float:
 def started_job(
     url: str, tmp_path: Path, **standin: Any
 ) -> Iterator[tuple[JobSpec, StandinHandle, Worker]]:
-    """Job "g" (PROMPTS in chunks of 4), a stand-in server, and a first worker on it."""
+    """Job "g" (PROMPTS in chunks of 4), a stand-in server, and a first worker on it.
+
+    The first worker holds at most 2 chunks (`--concurrency 2`), so once it holds 2 it
+    asks kombu for no other: a worker killed while kombu moves a chunk it popped into
+    `unacked` loses that chunk (kombu's window), which only the job's follower heals
+    (tests/test_heal_lost_chunk.py), and none runs here. A third chunk popped just as
+    the test killed the worker left the job unfinished (a CI run, 2 cores under load)."""
     spec = enqueue_prompts(url, tmp_path, PROMPTS, chunk_size=4)
     with run_standin(**standin) as server:
-        yield spec, server, generate_worker(url, tmp_path, server.url)
+        yield spec, server, generate_worker(url, tmp_path, server.url, "--concurrency", "2")
 
 
 def wait_taken_over(r: redis.Redis, chunks: set[str], by: Worker) -> None:
