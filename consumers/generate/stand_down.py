@@ -113,14 +113,9 @@ class StandDown(threading.Thread):
         """Decide for each queue the worker consumes whether it leaves it now."""
         my_tps = self._answers.decode_tps()
         long_over_mean = self._answers.long_over_mean()
-        bounds: dict[str, float] = {}
-        for queue in sorted(self._queues()):
-            if my_tps is None or long_over_mean is None:
-                break  # not measured yet: nothing to compare
-            faster = self._peers.faster(queue, my_tps * FASTER)
-            bound = leave_below(faster, my_tps, long_over_mean)
-            if bound > 0 and self._leaves(queue, bound):
-                bounds[queue] = bound
+        bounds: dict[str, float] = {}  # not measured yet: nothing to compare
+        if my_tps is not None and long_over_mean is not None:
+            bounds = self._bounds(my_tps, long_over_mean)
         with self._lock:
             before, self._left = self._left, set(bounds)
         for queue in sorted(set(bounds) - before):
@@ -130,14 +125,23 @@ class StandDown(threading.Thread):
         for queue in sorted(before - set(bounds)):
             log.info("taking %s again", queue)
 
+    def _bounds(self, my_tps: float, long_over_mean: float) -> dict[str, float]:
+        """The queues to leave now, each with the bound it is left under."""
+        bounds = {}
+        for queue in sorted(self._queues()):
+            faster = self._peers.faster(queue, my_tps * FASTER)
+            bound = leave_below(faster, my_tps, long_over_mean)
+            if bound > 0 and self._leaves(queue, bound):
+                bounds[queue] = bound
+        return bounds
+
     def _leaves(self, queue: str, bound: float) -> bool:
         job = keys.job_of_queue(queue)
         if job is None or publishing(self._r, job):
             return False
-        with self._lock:
-            if queue in self._left:
-                # Stays left: the queue grows by the prompts this worker gave back as
-                # it left, prompts already counted, in chunks of at most 8 that would
-                # read as whole ones.
-                return True
+        if self.leaves(queue):
+            # Stays left: the queue grows by the prompts this worker gave back as it
+            # left, prompts already counted, in chunks of at most 8 that would read as
+            # whole ones.
+            return True
         return queued_chunks(self._r, queue) * self._chunk_size(job) < bound
