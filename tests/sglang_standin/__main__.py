@@ -8,6 +8,7 @@ import signal
 
 from tests.sglang_standin.completer import Completer, default_tokenizer_source, load_tokenizer
 from tests.sglang_standin.config import StandinConfig, from_argv
+from tests.sglang_standin.continuations import ContinuationStore
 from tests.sglang_standin.server import Standin, serve
 
 
@@ -22,6 +23,7 @@ async def main(config: StandinConfig) -> None:
         seed=config.seed,
         suffix=config.answer_suffix,
         length_from_prompt=config.answer_length_from_prompt,
+        continuations=ContinuationStore(config.continuations_path()),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

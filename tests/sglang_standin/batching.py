@@ -14,6 +14,9 @@ floor): it fills the budget to the brim, and the next pass retracts what no long
 A retracted request keeps its output ids but loses its KV: it waits again and is
 prefilled anew (prompt + output so far), which is the cost of over-filling a server.
 Sleeping, not computing, keeps the stand-in cheap on a shared CPU.
+
+POST /abort_request (aborts.py) takes a sequence out of the batch, as a cancelled one
+leaves it, and its waiter gets back the tokens decoded so far.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tests.sglang_standin.aborts import wait_unless
 from tests.sglang_standin.config import StandinConfig
 from tests.sglang_standin.slots import QueueFull
 
@@ -40,6 +44,8 @@ class Sequence:
     target: int  # output tokens it produces before finishing
     done: asyncio.Future[None]
     generated: int = 0
+    # Where POST /abort_request found it: "running" or "waiting" (None: not aborted).
+    aborted_in: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -80,8 +86,12 @@ class BatchEngine:
         budget = self.config.kv_budget_tokens
         return self.used_tokens / budget if budget else 0.0
 
-    async def run(self, prompt_len: int, target: int) -> None:
-        """Wait until a request of `prompt_len` tokens has decoded `target` tokens."""
+    async def run(
+        self, prompt_len: int, target: int, abort: asyncio.Event | None = None
+    ) -> Sequence:
+        """Wait until a request of `prompt_len` tokens has decoded `target` tokens, or
+        until `abort` is set (then `aborted_in` says where it was, `generated` how far
+        it got; it is not counted in aborted_total: its client keeps that output)."""
         max_queued = self.config.max_queued_requests
         if max_queued is not None and len(self.waiting) + 1 > max_queued:
             raise QueueFull("The request queue is full.")
@@ -90,7 +100,8 @@ class BatchEngine:
         if self._loop is None or self._loop.done():
             self._loop = asyncio.create_task(self._run_passes())
         try:
-            await seq.done
+            if await wait_unless(abort, seq.done) and not seq.done.done():
+                seq.aborted_in = "running" if seq in self.running else "waiting"
         except asyncio.CancelledError:
             self.stats.aborted_total += 1
             raise
@@ -99,6 +110,7 @@ class BatchEngine:
                 self._drop(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
+        return seq
 
     async def _run_passes(self) -> None:
         while self.running or self.waiting:

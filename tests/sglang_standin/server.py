@@ -1,5 +1,5 @@
 """The stand-in's HTTP surface: SGLang's /generate contract, its OpenAI chat route
-(chat.py), plus test-only control routes.
+(chat.py), /abort_request (aborts.py), plus test-only control routes.
 
 Error bodies copy SGLang 0.5's shapes: a ValueError from request validation becomes
 HTTP 400 `{"error": {"message": ...}}`; a scheduler abort with a status (the full
@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tests.sglang_standin.aborts import parse_abort
 from tests.sglang_standin.chat import chat_error, chat_response, parse_chat
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import StandinConfig, parse_fault
@@ -52,6 +53,7 @@ class Standin(Scheduler):
         for method in ("POST", "PUT"):  # as SGLang's route
             app.router.add_route(method, "/generate", self.generate)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/abort_request", self.abort_request)
         for path in ("/health", "/health_generate"):
             app.router.add_get(path, self.health)
         app.router.add_get("/model_info", self.model_info)
@@ -171,6 +173,15 @@ class Standin(Scheduler):
     def _overloaded(self, message: str) -> web.Response:
         body = {"object": "error", "message": message, "type": "503", "param": None, "code": 503}
         return _json(body, status=503)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """`{"rid": ...}` or `{"abort_all": true}`: HTTP 200 with an empty body, rid in
+        flight or not; the request's own call returns its output so far (aborts.py)."""
+        parsed = parse_abort(await request.read())
+        if parsed is None:
+            return _json({"detail": "The body must be a JSON object."}, status=422)
+        self.abort(parsed[0], abort_all=parsed[1])
+        return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
         starting = time.monotonic() - self._started_mono < self.config.startup_delay

@@ -12,6 +12,8 @@ import asyncio
 import time
 from collections import deque
 
+from tests.sglang_standin.aborts import wait_unless
+
 
 class QueueFull(Exception):
     pass
@@ -41,10 +43,12 @@ class Slots:
         self.running = running
         self.peak_running = max(self.peak_running, running)
 
-    async def acquire(self) -> None:
+    async def acquire(self, abort: asyncio.Event | None = None) -> bool:
+        """Take a slot (True), or give up waiting for one when `abort` is set (False:
+        SGLang's "Abort in waiting queue"; the slot, if just handed over, goes on)."""
         if self.running < self.capacity and not self._waiting:
             self._set_running(self.running + 1)
-            return
+            return True
         if self.max_queued is not None and len(self._waiting) + 1 > self.max_queued:
             raise QueueFull("The request queue is full.")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -52,13 +56,20 @@ class Slots:
         try:
             # release() hands its slot straight to us: `running` never dips, so a queued
             # request cannot be overtaken by one that arrives later.
-            await waiter
+            aborted = await wait_unless(abort, waiter)
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()
-            elif waiter in self._waiting:
-                self._waiting.remove(waiter)
+            self._give_up(waiter)
             raise
+        if aborted:
+            self._give_up(waiter)
+        return not aborted
+
+    def _give_up(self, waiter: asyncio.Future[None]) -> None:
+        """Leave the queue, passing on the slot if it was already handed to us."""
+        if waiter.done() and not waiter.cancelled():
+            self.release()
+        elif waiter in self._waiting:
+            self._waiting.remove(waiter)
 
     def release(self) -> None:
         while self._waiting:
