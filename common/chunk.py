@@ -31,6 +31,10 @@ class ChunkPrompt:
     # The turns to run (`--turns all`); `id`, `prompt_ids` and `messages` are then its
     # first turn's, and `prompt_ids` may be empty: the worker renders them.
     conversation: Conversation | None = None
+    # The answer so far, decoded on a slower server that handed the prompt over at a
+    # job's end (docs/design.md, "A slow server's last answers move"): the worker
+    # continues it rather than starting anew. None for a prompt never started.
+    resume_ids: list[int] | None = None
 
     @property
     def accounted_ids(self) -> list[str]:
@@ -45,6 +49,8 @@ class ChunkPrompt:
             del payload["conversation"]  # plain prompts travel as they always have
         else:
             payload["conversation"] = self.conversation.to_dict()
+        if self.resume_ids is None:
+            del payload["resume_ids"]
         return payload
 
     @classmethod
@@ -98,7 +104,11 @@ class Chunk:
             raise ValueError("malformed chunk payload: job and chunk are not strings")
         for p in chunk.prompts:
             if not (isinstance(p.id, str) and isinstance(p.messages, list)
-                    and isinstance(p.prompt_ids, list)
-                    and set(map(type, p.prompt_ids)) <= {int}):  # fmt: skip
+                    and _token_ids(p.prompt_ids)
+                    and (p.resume_ids is None or _token_ids(p.resume_ids))):  # fmt: skip
                 raise ValueError(f"malformed chunk payload: prompt {p.id!r} is not a prompt")
         return chunk
+
+
+def _token_ids(ids: object) -> bool:
+    return isinstance(ids, list) and set(map(type, ids)) <= {int}

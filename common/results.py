@@ -47,6 +47,10 @@ class GeneratedResult:
     tools: list[dict[str, Any]] | None = None
     # The server's SGLang version where it reported one (provenance); None otherwise.
     server_version: str | None = None
+    # The first this many output_ids were decoded on a slower server that handed the
+    # answer over to `server` at the job's end (docs/design.md, "A slow server's last
+    # answers move"); 0: all on `server`.
+    resumed_tokens: int = 0
 
     def encode(self) -> bytes:
         """The stream entry's one field value (FIELD). orjson serializes the dataclass

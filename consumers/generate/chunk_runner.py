@@ -204,10 +204,10 @@ def _generate_all(
                 break  # every prompt given back to faster servers, none started
             # Every prompt finished by now is handed off together: one round trip.
             finished = _take_finished(batch.finished, held.wake_after_s())
-            held.finished(len(finished))
+            held.finished([outcome.index for outcome in finished])
             if lease.lost.is_set():
                 raise LeaseLost("another delivery holds the chunk")
-            completed = []
+            completed, handed = [], []
             for outcome in finished:
                 prompt = held.started[outcome.index]
                 if isinstance(outcome.error, PromptRejected):
@@ -219,9 +219,12 @@ def _generate_all(
                     raise ChunkDeferred("the engine loop cancelled a prompt")
                 elif outcome.error is not None:
                     raise outcome.error
+                elif cast(GenerateResult, outcome.result).handed_over:
+                    handed.append((prompt, cast(GenerateResult, outcome.result)))
                 else:
                     completed.append((prompt, cast(GenerateResult, outcome.result)))
             _hand_off(ctx, lease, chunk, completed, sampling)
+            held.send_on(handed)
             generated += len(completed)
     except BaseException:
         # Leaving early (shutdown, lost lease, Redis out of reach, a prompt given back):

@@ -50,6 +50,12 @@ class GenerateResult:
     # The server's SGLang version where it reports one (provenance).
     server_version: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # Stopped at the worker's asking (Engine.hand_over): output_ids are the answer so
+    # far, to be continued on another server; not a completion.
+    handed_over: bool = False
+    # The first this many output_ids were decoded on another server, which handed the
+    # answer over (resume.py); 0 for an answer decoded here alone.
+    resumed_tokens: int = 0
 
 
 class EngineError(Exception):
@@ -109,6 +115,13 @@ class Engine(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Per-server health and in-flight counts, for heartbeats and status."""
+        ...
+
+    async def hand_over(self, rid: str) -> bool:
+        """Stop the running request `rid` so that its generate() returns the answer so
+        far, marked `handed_over` (docs/design.md, "A slow server's last answers move");
+        False where the engine cannot (then the request runs on untouched). A request
+        that finishes meanwhile returns its completion as usual."""
         ...
 
     async def close(self) -> None: ...

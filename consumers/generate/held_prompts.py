@@ -9,11 +9,14 @@ slots (peers.py) go back to the queue in new chunks (chunk_life.give_back_unstar
 and those beyond the worker's own slack also for a peer's missing slack. With no peer
 short of prompts (one server, or a busy fleet) nothing moves. At a job's end, a worker
 that leaves the job's last prompts to faster servers (stand_down.py) starts none of them
-and gives back all it holds.
+and gives back all it holds; and as faster peers fall idle, it hands its running answers
+over to them, each with its answer so far, which they continue (docs/design.md, "A slow
+server's last answers move"; resume.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
@@ -29,6 +32,8 @@ from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engine_loop import Batch
 from regen.consumers.generate.flow_control import slack
+from regen.consumers.generate.resume import continued_sampling, resumed
+from regen.consumers.generate.stand_down import FASTER
 
 log = logging.getLogger("regen.generate")
 
@@ -36,6 +41,11 @@ log = logging.getLogger("regen.generate")
 # delivery's prompt may have finished) or idle ones of a peer; it also looks each time
 # one of its own prompts finishes. A fraction of a second against answers of minutes.
 WAITING_CHECK_S = 0.2
+# A worker that left a job's end looks this often whether a faster peer has idle slots
+# for an answer still running here: a second against answers of minutes.
+HAND_OVER_CHECK_S = 1.0
+# The server queues an abort and answers at once; this only bounds a server gone wrong.
+HAND_OVER_TIMEOUT_S = 15.0
 
 
 class HeldPrompts:
@@ -60,6 +70,10 @@ class HeldPrompts:
         self.running = 0
         self.waiting = list(todo)
         ctx.count_waiting(len(todo))
+        # The running prompts by outcome index, each with when it started and its rid;
+        # those asked to hand their answer over.
+        self._rids: dict[int, tuple[float, str]] = {}
+        self._handing_over: set[int] = set()
 
     def start_first(self) -> Batch[GenerateResult]:
         """Start what the worker has free slots for, at least one prompt, unless the
@@ -78,11 +92,14 @@ class HeldPrompts:
     def start_or_give_back(self, batch: Batch[GenerateResult]) -> None:
         """Start waiting prompts the worker has free slots for now; give as many of the
         rest back as other workers have idle slots; all of them when the worker leaves
-        the job's last prompts to faster servers. Raises LeaseLost (nothing given back)."""
-        if not self.waiting:
-            return
+        the job's last prompts to faster servers, and then hands running answers over to
+        faster peers' idle slots. Raises LeaseLost (nothing given back)."""
         if self._leaving():
-            self._send_back(len(self.waiting), "faster servers finish the job's last prompts")
+            if self.waiting:
+                self._send_back(len(self.waiting), "faster servers finish the job's last prompts")
+            self._hand_over_running()
+            return
+        if not self.waiting:
             return
         # At least one when none runs: a delivery always makes progress.
         count = self._ctx.reserve(len(self.waiting), at_least=0 if self.running else 1)
@@ -92,7 +109,12 @@ class HeldPrompts:
         if self.waiting:
             self._give_back()
 
-    def finished(self, count: int) -> None:
+    def finished(self, indices: list[int]) -> None:
+        """The prompts of these outcome indices ended (answered, failed or handed over)."""
+        for index in indices:
+            self._rids.pop(index, None)
+            self._handing_over.discard(index)
+        count = len(indices)
         self.running -= count
         self._ctx.count_inflight(-count)
         if count and self._ctx.has_idle_slots():
@@ -106,7 +128,37 @@ class HeldPrompts:
 
     def wake_after_s(self) -> float | None:
         """How long to wait for an outcome before looking again (None: until one)."""
-        return WAITING_CHECK_S if self.waiting else None
+        if self.waiting:
+            return WAITING_CHECK_S
+        if len(self._rids) > len(self._handing_over) and self._leaving():
+            return HAND_OVER_CHECK_S
+        return None
+
+    def send_on(self, handed: list[tuple[ChunkPrompt, GenerateResult]]) -> None:
+        """Give the answers handed over back to the queue, each prompt with its answer so
+        far to continue (none decoded yet: a plain prompt again), in the lease-checked
+        give-back of unstarted prompts: every prompt stays open in exactly one chunk.
+        Raises LeaseLost."""
+        messages = self._ctx.messages
+        if not handed or messages is None:
+            return  # a bare context never asks for a hand-over (_leaving)
+        prompts = [
+            dataclasses.replace(prompt, resume_ids=list(result.output_ids) or None)
+            for prompt, result in handed
+        ]
+        chunks = give_back_unstarted(self._ctx.redis, messages, self._queue, self._lease,
+                                     self._chunk, prompts)  # fmt: skip
+        self._ctx.gave_back_at = time.monotonic()
+        # bench/long_generations.py reads the ids and the tokens moved off the logs.
+        log.info(
+            "chunk %s: handed %d running answers (%d tokens so far) over to faster servers "
+            "in %d chunks: %s",
+            self._chunk.chunk_id,
+            len(prompts),
+            sum(len(p.resume_ids or ()) for p in prompts),
+            chunks,
+            ",".join(p.id for p in prompts),
+        )
 
     def _leaving(self) -> bool:
         """The worker leaves the job's last prompts to faster servers, and can give
@@ -115,17 +167,47 @@ class HeldPrompts:
 
     def _take(self, count: int) -> list[ChunkPrompt]:
         prompts, self.waiting = self.waiting[:count], self.waiting[count:]
+        now = time.monotonic()
+        for index, prompt in enumerate(prompts, start=len(self.started)):
+            self._rids[index] = (now, self._rid(prompt))
         self.started += prompts
         self.running += count
         return prompts
 
+    def _rid(self, prompt: ChunkPrompt) -> str:
+        return f"{self._chunk.chunk_id}-{prompt.id}-{self._lease.attempt}"
+
     def _request(self, prompt: ChunkPrompt) -> Coroutine[Any, Any, GenerateResult]:
+        resume = prompt.resume_ids or []
         request = GenerateRequest(
-            rid=f"{self._chunk.chunk_id}-{prompt.id}-{self._lease.attempt}",
-            prompt_ids=prompt.prompt_ids,
-            sampling=dict(self._sampling),
+            rid=self._rid(prompt),
+            prompt_ids=[*prompt.prompt_ids, *resume] if resume else prompt.prompt_ids,
+            sampling=continued_sampling(self._sampling, len(resume)),
         )
-        return generate_with_retry(self._ctx.runner, request)
+        answer = generate_with_retry(self._ctx.runner, request)
+        return resumed(answer, resume) if resume else answer
+
+    def _hand_over_running(self) -> None:
+        """Ask the engine to hand over as many running answers, oldest first, as faster
+        peers have idle slots: the oldest has decoded the most, and with long-tailed
+        lengths has the most left to decode. Each comes back as an outcome marked
+        handed over (send_on). Not with stop strings: one could straddle the cut, and
+        the server continuing the answer would not see it."""
+        ctx = self._ctx
+        candidates = [i for i in self._rids if i not in self._handing_over]
+        my_tps = ctx.answers.decode_tps()
+        if not candidates or ctx.peers is None or my_tps is None or self._sampling.get("stop"):
+            return
+        count = ctx.peers.claim(self._queue, len(candidates), faster_than=my_tps * FASTER)
+        for index in sorted(candidates, key=lambda i: self._rids[i][0])[:count]:
+            rid = self._rids[index][1]
+            try:
+                handed = ctx.runner.call(ctx.runner.engine.hand_over(rid), HAND_OVER_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("no answer to handing %s over; it runs on here", rid)
+                handed = False
+            if handed:
+                self._handing_over.add(index)
 
     def _give_back(self) -> None:
         """Give back as many of the last waiting prompts as other workers have idle

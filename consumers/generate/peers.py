@@ -89,17 +89,20 @@ class PeerView:
         less those this worker recently gave prompts back for."""
         with self._lock:
             self._refresh()
-            return max(0, self._total(queue).idle - self._claimed(queue)[0])
+            return max(0, self._total(queue, 0.0).idle - self._claimed(queue)[0])
 
-    def claim(self, queue: str, wanted: int, beyond_slack: int = 0) -> int:
+    def claim(
+        self, queue: str, wanted: int, beyond_slack: int = 0, faster_than: float = 0.0
+    ) -> int:
         """Claim peers' room on `queue` for prompts about to be given back; how many:
         up to `wanted` of their idle slots, or up to `beyond_slack` (the giver's waiting
-        prompts beyond its own slack) of what they are short. Read and claimed under one
-        lock, so two deliveries of this worker do not both give prompts for the same
-        slots."""
+        prompts beyond its own slack) of what they are short; only the room of peers whose
+        requests decode at `faster_than` tokens/s or more, when given. Read and claimed
+        under one lock, so two deliveries of this worker do not both give prompts for the
+        same slots."""
         with self._lock:
             self._refresh()
-            total = self._total(queue)
+            total = self._total(queue, faster_than)
             idle_claimed, slack_claimed = self._claimed(queue)
             idle = max(0, total.idle - idle_claimed)
             short = max(0, total.short - idle_claimed - slack_claimed)
@@ -118,8 +121,11 @@ class PeerView:
             rooms = self._rooms.get(queue, {}).values()
             return [r for r in rooms if r.decode_tps is not None and r.decode_tps >= than_tps]
 
-    def _total(self, queue: str) -> PeerRoom:
-        rooms = self._rooms.get(queue, {}).values()
+    def _total(self, queue: str, faster_than: float) -> PeerRoom:
+        rooms = [
+            r for r in self._rooms.get(queue, {}).values()
+            if faster_than <= 0 or (r.decode_tps is not None and r.decode_tps >= faster_than)
+        ]  # fmt: skip
         return PeerRoom(sum(r.idle for r in rooms), sum(r.short for r in rooms), 0.0)
 
     def _refresh(self) -> None:

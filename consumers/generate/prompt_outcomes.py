@@ -83,6 +83,7 @@ def generated_result(
         latency_s=result.latency_s,
         server=result.server,
         server_version=result.server_version,
+        resumed_tokens=result.resumed_tokens,
         worker=worker,
         attempt=attempt,
         sampling=sampling,

@@ -39,7 +39,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "cached_tokens": (int, _NONE), "latency_s": (float, int), "server": (str,),
     "worker": (str,), "attempt": (int,), "sampling": (dict,),
     "conversation_id": (str, _NONE), "turn": (int, _NONE), "tools": (list, _NONE),
-    "server_version": (str, _NONE),
+    "server_version": (str, _NONE), "resumed_tokens": (int,),
 }  # fmt: skip
 # Fields older results lack (the dataclass's defaults fill them in).
 REQUIRED = frozenset(FIELD_TYPES) - {
@@ -48,6 +48,7 @@ REQUIRED = frozenset(FIELD_TYPES) - {
     "turn",
     "tools",
     "server_version",
+    "resumed_tokens",
 }
 _TOKEN_LISTS = ("prompt_ids", "output_ids")
 

@@ -50,9 +50,12 @@ def hand_off(
     crashpoints.hit(AFTER_HAND_OFF)
     for result, is_fresh in zip(results, fresh, strict=True):
         if is_fresh:
-            ctx.tokens.add(result.completion_tokens)
+            # A resumed answer's first tokens were decoded elsewhere (resume.py); its
+            # tail alone would skew the answer lengths the worker measures.
+            ctx.tokens.add(result.completion_tokens - result.resumed_tokens)
             ctx.prompts.add()
-            ctx.answers.add(result.completion_tokens, result.latency_s)
+            if not result.resumed_tokens:
+                ctx.answers.add(result.completion_tokens, result.latency_s)
     return fresh
 
 

@@ -159,6 +159,11 @@ class LocalEngine:
     async def health(self) -> bool:
         return self._loaded is not None and not self._closed and self._thread.is_alive()
 
+    async def hand_over(self, rid: str) -> bool:
+        """A local model is one device of one worker: no faster server to hand an
+        answer to."""
+        return False
+
     def capacity(self) -> int:
         return 2 * self.max_batch_size  # the next batch is queued when one finishes
 

@@ -31,6 +31,7 @@ from regen.consumers.generate.engines.admission_policy import (
     parse_metrics,
 )
 from regen.consumers.generate.engines.sglang_admission import AdmissionPoller
+from regen.consumers.generate.engines.sglang_handover import HandOvers
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import (
     Failure,
@@ -137,6 +138,7 @@ class SGLangHTTPEngine:
             s: {"Authorization": s.auth.encode()} if s.auth else bearer for s in self._pool.servers
         }
         self._http: aiohttp.ClientSession | None = None
+        self._hand_overs = HandOvers()
         self._admission = (
             None
             if admission is None
@@ -160,6 +162,12 @@ class SGLangHTTPEngine:
     ) -> GenerateResult:
         """Complete one prompt, retrying through outages; EngineDown once no server has
         been healthy for `outage_s` seconds in a row."""
+        try:
+            return await self._generate(request, outage_s)
+        finally:
+            self._hand_overs.forget(request.rid)
+
+    async def _generate(self, request: GenerateRequest, outage_s: float | None) -> GenerateResult:
         self._start()
         if outage_s is None:
             outage_s = self._give_up_after_s
@@ -176,6 +184,7 @@ class SGLangHTTPEngine:
             # Each retry gets its own rid: the server may still be running (or only
             # now aborting) the previous attempt, and SGLang refuses a duplicate rid.
             rid = request.rid if failures == 0 else f"{request.rid}~{failures}"
+            self._hand_overs.started(request.rid, server, rid)
             try:
                 result = await self._attempt(server, request, rid)
             except Failure as failure:
@@ -197,6 +206,8 @@ class SGLangHTTPEngine:
             except BaseException:  # PromptRejected, or cancellation of the caller
                 self._pool.release(server, ok=False)
                 raise
+            finally:
+                self._hand_overs.ended(request.rid)
             self._pool.release(server, ok=True)
             server.cache.count(result.prompt_tokens, result.cached_tokens)
             server.note_speed(result.completion_tokens, result.latency_s)
@@ -217,6 +228,11 @@ class SGLangHTTPEngine:
         """Requests the healthy servers start soon: each one's limit, or its running
         slots where its /metrics show fewer (flow control holds no more than this)."""
         return sum(s.startable() for s in self._pool.healthy())
+
+    async def hand_over(self, rid: str) -> bool:
+        """Abort `rid` where it runs, its generate() returning the answer so far
+        (sglang_handover.py)."""
+        return await self._hand_overs.ask(self._session(), rid, self._auth_headers)
 
     def servers(self) -> list[ServerState]:
         return list(self._pool.servers)
@@ -274,7 +290,8 @@ class SGLangHTTPEngine:
         # Requests are logged here, by label, so credentials never reach a log line.
         log.debug("HTTP Request: POST %s/generate %d", server.label, status)
         if status == 200:
-            result = parse_result(payload, request, server.label, started)
+            handed_over = self._hand_overs.asked(request.rid)
+            result = parse_result(payload, request, server.label, started, handed_over=handed_over)
             return dataclasses.replace(result, server_version=server.version or None)
         raise classify_error(status, payload, server.label)
 

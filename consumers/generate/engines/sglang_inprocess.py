@@ -147,6 +147,11 @@ class SGLangInProcessEngine:
     async def health(self) -> bool:
         return not self._closed
 
+    async def hand_over(self, rid: str) -> bool:
+        """One engine in this process serves one worker: there is no faster server
+        to hand an answer to."""
+        return False
+
     def capacity(self) -> int:
         return self._max_inflight
 

@@ -16,6 +16,8 @@ Failures are sorted by what they say about the *server*:
 | read timeout (request_timeout_s)                 | timeout       | down     | retry     |
 | 500 and other 5xx                                | server_error  | down     | bounded   |
 | 200 without output_ids, aborted, or other 4xx    | bad_response  | down     | bounded   |
+| 200 aborted at the worker's asking (hand-over)   | -             | -        | answer so |
+|                                                  |               |          | far       |
 
 (*) The first disconnect of a request is retried at once without blaming the server: it
 is most likely an idle keep-alive connection the server closed as we reused it.
@@ -30,6 +32,7 @@ that hits one prompt cannot pin a slot forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from http import HTTPStatus
 from typing import Any
@@ -119,18 +122,30 @@ def classify_status(status: int, message: str, server: str) -> Failure | PromptR
 
 
 def parse_result(
-    payload: bytes, request: GenerateRequest, server: str, started: float
+    payload: bytes,
+    request: GenerateRequest,
+    server: str,
+    started: float,
+    *,
+    handed_over: bool = False,
 ) -> GenerateResult:
-    """Map SGLang's HTTP response; anything that is not a finished completion is a Failure."""
+    """Map SGLang's HTTP response; anything that is not a finished completion is a Failure,
+    but for a request the worker asked to hand over (sglang_handover.py), whose abort
+    carries the answer so far."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise Failure("bad_response", f"malformed response: {exc!r}", down=True, bad=True) from None
-    return result_from_reply(data, request, server, started)
+    return result_from_reply(data, request, server, started, handed_over=handed_over)
 
 
 def result_from_reply(
-    data: Any, request: GenerateRequest, server: str, started: float
+    data: Any,
+    request: GenerateRequest,
+    server: str,
+    started: float,
+    *,
+    handed_over: bool = False,
 ) -> GenerateResult:
     """Map one /generate reply dict (HTTP or `Engine.async_generate`, the same shape)."""
     try:
@@ -156,6 +171,8 @@ def result_from_reply(
         aborted = finish["type"] == "abort"
     except (KeyError, TypeError, ValueError) as exc:
         raise Failure("bad_response", f"malformed response: {exc!r}", down=True, bad=True) from None
+    if aborted and handed_over:  # at the worker's asking: the answer so far
+        return dataclasses.replace(result, handed_over=True)
     if aborted:  # aborted by the server (shutdown, operator): not a completion
         message = f"request aborted: {finish.get('message')}"
         raise Failure("bad_response", message, down=True, bad=True)

@@ -1,0 +1,89 @@
+"""Handing a running answer over: SGLang's `POST /abort_request` for one request.
+
+SGLang answers an aborted request's own `/generate` call with what it has decoded so far
+(`finish_reason.type == "abort"`, the partial `output_ids`), as it does for the requests
+it retracts under memory pressure and later prefills anew with their output; RL
+frameworks continue partial rollouts the same way. So a worker can stop an answer on a
+slow server and continue it on a faster one, throwing nothing away (docs/design.md, "A
+slow server's last answers move").
+
+The requests this worker runs are known by the prompt's rid (GenerateRequest.rid); each
+attempt's own rid (a retry's carries a suffix) and server are what the abort names. A
+reply aborted for any other reason (shutdown, an operator) stays a failure: only the
+requests asked for here come back as answers so far.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from regen.consumers.generate.engines.sglang_pool import ServerState
+
+log = logging.getLogger(__name__)
+
+# /abort_request only queues a message to the scheduler: it answers at once.
+ABORT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    server: ServerState
+    rid: str  # this attempt's rid, as the server knows it
+
+
+class HandOvers:
+    """The attempts running now, by prompt rid, and those asked to hand over."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, Attempt] = {}
+        self._asked: set[str] = set()
+
+    def started(self, rid: str, server: ServerState, attempt_rid: str) -> None:
+        self._running[rid] = Attempt(server, attempt_rid)
+
+    def ended(self, rid: str) -> None:
+        self._running.pop(rid, None)
+
+    def forget(self, rid: str) -> None:
+        """The prompt's generate() returned: it is no longer asked for."""
+        self._running.pop(rid, None)
+        self._asked.discard(rid)
+
+    def asked(self, rid: str) -> bool:
+        return rid in self._asked
+
+    async def ask(
+        self,
+        http: aiohttp.ClientSession,
+        rid: str,
+        headers: Mapping[ServerState, Mapping[str, str]],
+    ) -> bool:
+        """Abort the running attempt of `rid` on its server; False when none runs (between
+        retries, or finished) or the server did not take the abort."""
+        attempt = self._running.get(rid)
+        if attempt is None:
+            return False
+        self._asked.add(rid)
+        server = attempt.server
+        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        try:
+            async with http.post(
+                server.url + "/abort_request",
+                data=orjson.dumps({"rid": attempt.rid}),
+                headers={**headers[server], "Content-Type": "application/json"},
+                timeout=timeout,
+            ) as response:
+                ok = response.status == 200
+                await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not hand over %s on %s: %s", rid, server.label, exc)
+            ok = False
+        if not ok:
+            # Its reply, should an abort from elsewhere come, is a failure as before.
+            self._asked.discard(rid)
+        return ok

@@ -1,0 +1,171 @@
+"""A slow server's last answers move (docs/design.md): a worker that left a job's end
+hands its running answers over to faster peers, which continue them; nothing is thrown
+away and each record is one answer, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+import redis
+
+from regen.common.chunk import Chunk, ChunkPrompt
+from regen.consumers.generate.engine import GenerateRequest, GenerateResult
+from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
+from regen.consumers.generate.engines.sglang_replies import Failure, parse_result
+from regen.consumers.generate.resume import continued_sampling, joined
+from regen.ops.reconcile import reconcile
+from tests.generate_harness import (
+    Worker,
+    all_generated,
+    enqueue_prompts,
+    enqueued_ids,
+    results,
+)
+from tests.helpers import wait_for
+from tests.redis_server import running_redis
+from tests.sglang_standin import run_standin
+
+
+def result(output_ids: list[int], prompt_tokens: int, **fields: object) -> GenerateResult:
+    return GenerateResult(
+        output_ids=output_ids,
+        text="t",
+        finish_reason={"type": "stop", "matched": output_ids[-1]},
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(output_ids),
+        cached_tokens=fields.pop("cached_tokens", 2),  # type: ignore[arg-type]
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_a_continuation_joins_the_answer_so_far_and_moves_the_counts_across() -> None:
+    # The server was sent the prompt (5 ids) and the answer so far (3 ids).
+    continued = result([7, 8, 2], prompt_tokens=8, cached_tokens=6)
+    whole = joined(continued, [4, 5, 6])
+    assert whole.output_ids == [4, 5, 6, 7, 8, 2]
+    assert whole.prompt_tokens == 5 and whole.completion_tokens == 6
+    assert whole.resumed_tokens == 3
+    assert whole.cached_tokens == 5  # never more than the prompt itself
+    assert whole.text is None  # two decodes side by side may differ from the whole's
+    assert whole.finish_reason == continued.finish_reason
+    # Handed over again further on: the answer so far grows, the count with it.
+    again = joined(joined(result([9], prompt_tokens=9), [4, 5, 6, 7]), [])
+    assert again.output_ids == [4, 5, 6, 7, 9] and again.resumed_tokens == 4
+
+
+def test_the_token_budgets_shrink_by_what_was_decoded() -> None:
+    job = {"max_new_tokens": 100, "min_new_tokens": 10, "temperature": 0.6}
+    assert continued_sampling(job, 0) == job
+    assert continued_sampling(job, 40) == {**job, "max_new_tokens": 60, "min_new_tokens": 0}
+    assert continued_sampling(job, 99)["max_new_tokens"] == 1
+    assert job["max_new_tokens"] == 100  # the job's own params are left alone
+
+
+def test_a_prompt_travels_with_its_answer_so_far_and_plain_ones_as_before() -> None:
+    plain = ChunkPrompt("p1", [1, 2], [{"role": "user", "content": "hi"}], {"row": 0})
+    assert "resume_ids" not in plain.to_payload()
+    moved = ChunkPrompt("p2", [1, 2], [], {"row": 1}, resume_ids=[5, 6])
+    chunk = Chunk("j", "c1", [plain, moved])
+    back = Chunk.from_payload(chunk.to_payload())
+    assert back.prompts == [plain, moved]
+    bad = chunk.to_payload()
+    bad["prompts"][1]["resume_ids"] = [5, "6"]
+    with pytest.raises(ValueError, match="'p2' is not a prompt"):
+        Chunk.from_payload(bad)
+
+
+def test_only_an_abort_the_worker_asked_for_is_an_answer_so_far() -> None:
+    reply = (
+        b'{"text": "so far", "output_ids": [4, 5], "meta_info": {"id": "r", '
+        b'"finish_reason": {"type": "abort", "message": "Abort by request"}, '
+        b'"prompt_tokens": 3, "completion_tokens": 2}}'
+    )
+    request = GenerateRequest("r", [1, 2, 3], {"max_new_tokens": 10})
+    with pytest.raises(Failure, match="request aborted"):
+        parse_result(reply, request, "s", 0.0)
+    so_far = parse_result(reply, request, "s", 0.0, handed_over=True)
+    assert so_far.handed_over and so_far.output_ids == [4, 5]
+
+
+def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: Path) -> None:
+    """SGLang's /abort_request on the stand-in: the request's own /generate returns the
+    answer so far, which a second server (same seed) continues into the whole answer."""
+    options = {"output_len_dist": "fixed:n=2000", "continuations_dir": str(tmp_path / "cont")}
+    with (
+        run_standin(decode_tokens_per_s=200, **options) as slow,
+        run_standin(decode_tokens_per_s=100_000, **options) as fast,
+    ):
+
+        async def scenario() -> tuple[GenerateResult, GenerateResult, GenerateResult]:
+            request = GenerateRequest("r1", [1, 2, 3, 4], {"max_new_tokens": 4000})
+            async with SGLangHTTPEngine([slow.url]) as on_slow:
+                running = asyncio.ensure_future(on_slow.generate(request))
+                await asyncio.to_thread(
+                    wait_for, lambda: slow.stats()["running"] == 1, 20, "the request to run"
+                )
+                await asyncio.sleep(0.5)  # some tokens decoded
+                assert await on_slow.hand_over("r1")
+                so_far = await running
+                assert not await on_slow.hand_over("r1")  # nothing runs under it now
+            async with SGLangHTTPEngine([fast.url]) as on_fast:
+                rest = GenerateRequest(
+                    "r1b",
+                    request.prompt_ids + so_far.output_ids,
+                    continued_sampling(request.sampling, len(so_far.output_ids)),
+                )
+                continued = joined(await on_fast.generate(rest), so_far.output_ids)
+                whole = await on_fast.generate(dataclasses.replace(request, rid="r2"))
+            return so_far, continued, whole
+
+        so_far, continued, whole = asyncio.run(scenario())
+        assert so_far.handed_over and 0 < len(so_far.output_ids) < 2000
+        assert continued.output_ids == whole.output_ids
+        assert continued.resumed_tokens == len(so_far.output_ids)
+        assert slow.stats()["moved_total"] == 1 and slow.stats()["aborted_total"] == 0
+
+
+@pytest.mark.slow
+def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path) -> None:
+    """Two real workers: a slow server's worker alone first, then a 40x faster one. Once
+    both speeds are known the slow worker leaves the job's end and hands its running
+    long answers over as the fast server's slots fall idle; the fast one continues
+    them. Every prompt answered once, each moved answer equal token for token to the
+    answer one server gives, nothing thrown away."""
+    short = [f"[answer-length 40] Warm-up question {i}." for i in range(8)]
+    long = [f"[answer-length 1500] Long question {i}." for i in range(24)]
+    standin = {"answer_length_from_prompt": True, "continuations_dir": str(tmp_path / "cont")}
+    with (
+        running_redis(tmp_path / "redis") as redis_server,
+        run_standin(max_running_requests=4, decode_tokens_per_s=50, **standin) as slow,
+        run_standin(max_running_requests=16, decode_tokens_per_s=2000, **standin) as fast,
+    ):
+        url = redis_server.url
+        r = redis.Redis.from_url(url)
+        spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000)
+        common = ["--engine", "sglang", "--jobs", "g"]
+        with Worker(url, tmp_path, *common, "--max-inflight", "4", "--server", slow.url) as s:
+            # Its speed measured on the warm-up answers, and long ones running.
+            wait_for(lambda: slow.stats()["completed"] >= 8 and slow.stats()["running"] == 4,
+                     timeout=120, what="the slow worker to run long answers")  # fmt: skip
+            with Worker(url, tmp_path, *common, "--server", fast.url):
+                wait_for(lambda: all_generated(r, spec), timeout=240, what="the job")
+            log = s.log()
+        assert "leaving the last prompts of" in log
+        assert "running answers" in log and "over to faster servers" in log
+        got = results(r, "g")
+        assert sorted(x.id for x in got) == sorted(enqueued_ids(r, "g"))
+        moved = [x for x in got if x.resumed_tokens]
+        assert moved, "no answer was handed over"
+        assert slow.stats()["moved_total"] >= len(moved)
+        assert slow.stats()["aborted_total"] == 0 and fast.stats()["aborted_total"] == 0
+        for x in moved:
+            assert len(x.output_ids) == 1501 and x.completion_tokens == 1501
+            assert x.prompt_tokens == len(x.prompt_ids)
+            # One answer to the prompt: what a server gives it from scratch.
+            body = {"input_ids": x.prompt_ids, "sampling_params": x.sampling, "rid": f"{x.id}-x"}
+            assert fast.generate(body).json()["output_ids"] == x.output_ids
+        report = reconcile(r, spec, None, read_shards=False)
+        assert report.places["in_flight"] == len(got) and not report.problem_counts
