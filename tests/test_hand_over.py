@@ -139,16 +139,17 @@ def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path)
     standin = {"answer_length_from_prompt": True, "continuations_dir": str(tmp_path / "cont")}
     with (
         running_redis(tmp_path / "redis") as redis_server,
-        run_standin(max_running_requests=4, decode_tokens_per_s=50, **standin) as slow,
+        run_standin(max_running_requests=8, decode_tokens_per_s=50, **standin) as slow,
         run_standin(max_running_requests=16, decode_tokens_per_s=2000, **standin) as fast,
     ):
         url = redis_server.url
         r = redis.Redis.from_url(url)
         spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000)
         common = ["--engine", "sglang", "--jobs", "g"]
-        with Worker(url, tmp_path, *common, "--max-inflight", "4", "--server", slow.url) as s:
-            # Its speed measured on the warm-up answers, and long ones running.
-            wait_for(lambda: slow.stats()["completed"] >= 8 and slow.stats()["running"] == 4,
+        with Worker(url, tmp_path, *common, "--max-inflight", "8", "--server", slow.url) as s:
+            # Its speed measured on the warm-up answers (the first two chunks, started
+            # together), and long ones running: 30 s each here, 0.75 s on the fast one.
+            wait_for(lambda: slow.stats()["completed"] >= 8 and slow.stats()["running"] == 8,
                      timeout=120, what="the slow worker to run long answers")  # fmt: skip
             with Worker(url, tmp_path, *common, "--server", fast.url):
                 wait_for(lambda: all_generated(r, spec), timeout=240, what="the job")

@@ -97,6 +97,10 @@ def test_an_aborted_answer_returns_its_prefix_and_another_standin_continues_it(
         # The second server decoded the remaining tokens only.
         moved_on = _slot_entry(second, "continue")
         assert moved_on is not None and moved_on["tokens"] == len(full["output_ids"]) - k
+        # Logged under the prompt the answer began on, with the tokens decoded before it:
+        # a bench joins the pieces of one answer by them.
+        assert moved_on["resumed"] == k
+        assert moved_on["prompt"] == _slot_entry(first, "long")["prompt"]  # type: ignore[index]
         # A continuation with a smaller limit is cut there, as any answer is.
         short = second.generate(_body("continue-short", PROMPT + partial, 10)).json()
         assert short["output_ids"] == full["output_ids"][k : k + 10]

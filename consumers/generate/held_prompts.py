@@ -130,7 +130,9 @@ class HeldPrompts:
         """How long to wait for an outcome before looking again (None: until one)."""
         if self.waiting:
             return WAITING_CHECK_S
-        if len(self._rids) > len(self._handing_over) and self._leaving():
+        if len(self._rids) > len(self._handing_over) and self._ctx.messages is not None:
+            # The worker may leave the job's end while these run (minutes at real
+            # lengths): a look a second, which costs nothing until it leaves.
             return HAND_OVER_CHECK_S
         return None
 

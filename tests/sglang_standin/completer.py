@@ -9,6 +9,7 @@ when the stand-in was given a ContinuationStore (continuations.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -102,6 +103,10 @@ class Completion:
     output_ids: list[int]
     finish_reason: dict[str, Any]
     text: str
+    # A continuation's: the slot-log key of the prompt its answer began on, and the
+    # tokens decoded before it elsewhere (continuations.py).
+    origin: int | None = None
+    resumed: int = 0
 
 
 # How a prompt asks for its answer's length (`answer_length_from_prompt`).
@@ -146,7 +151,9 @@ class Completer:
         key = self._digest(input_ids, sampling.get("sampling_seed"))
         stored = self.continuations.get(key) if self.continuations else None
         if stored is not None:
-            return self._continuation(*stored, sampling, max_new, ignore_eos, stop_ids)
+            rest = self._continuation(stored["output_ids"], stored["finish_reason"], sampling,
+                                      max_new, ignore_eos, stop_ids)  # fmt: skip
+            return dataclasses.replace(rest, origin=stored["origin"], resumed=stored["resumed"])
         rng = random.Random(key)
         drawn = self.dist.sample(rng)
         asked = self._asked_length(input_ids) if self.length_from_prompt else None
@@ -197,12 +204,16 @@ class Completer:
         done: Completion,
         k: int,
         reason: dict[str, Any],
+        origin: int,
     ) -> Completion:
         """`done` aborted after its first k tokens: those, with `reason`; the rest is
-        kept for a server asked to continue input_ids + those k (continuations.py)."""
+        kept for a server asked to continue input_ids + those k (continuations.py),
+        with `origin`, the slot-log key of the prompt the answer began on."""
         if self.continuations is not None and k > 0:
             key = self._digest(input_ids + done.output_ids[:k], sampling.get("sampling_seed"))
-            self.continuations.put(key, done.output_ids[k:], done.finish_reason)
+            self.continuations.put(
+                key, done.output_ids[k:], done.finish_reason, origin, done.resumed + k
+            )
         return self._finish(done.output_ids[:k], reason, sampling)
 
     def _finish(

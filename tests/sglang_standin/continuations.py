@@ -37,23 +37,29 @@ class ContinuationStore:
     def _path(self, key: int) -> Path:
         return self.directory / f"{key:016x}.json"
 
-    def put(self, key: int, rest: list[int], finish_reason: dict[str, Any]) -> None:
-        """Keep `rest` (ids, then `finish_reason`) for the input whose digest is `key`."""
+    def put(
+        self, key: int, rest: list[int], finish_reason: dict[str, Any], origin: int, resumed: int
+    ) -> None:
+        """Keep `rest` (ids, then `finish_reason`) for the input whose digest is `key`;
+        `origin`: the slot-log key of the prompt the answer began on, `resumed`: the
+        tokens decoded before the rest (a bench joins the pieces of one answer by them)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(key)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.stem}-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(orjson.dumps({"output_ids": rest, "finish_reason": finish_reason}))
+                entry = {"output_ids": rest, "finish_reason": finish_reason,
+                         "origin": origin, "resumed": resumed}  # fmt: skip
+                fh.write(orjson.dumps(entry))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def get(self, key: int) -> tuple[list[int], dict[str, Any]] | None:
-        """The stored rest for the input whose digest is `key`, or None."""
+    def get(self, key: int) -> dict[str, Any] | None:
+        """What `put` kept for the input whose digest is `key`, or None."""
         try:
-            entry = orjson.loads(self._path(key).read_bytes())
+            entry: dict[str, Any] = orjson.loads(self._path(key).read_bytes())
         except FileNotFoundError:
             return None
-        return entry["output_ids"], entry["finish_reason"]
+        return entry

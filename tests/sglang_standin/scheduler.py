@@ -153,6 +153,8 @@ class Scheduler:
         try:
             cached = self._prefill(item)
             done = self.completer.complete(item.input_ids, item.sampling)
+            if done.origin is not None:  # the rest of an answer begun elsewhere
+                entry["prompt"], entry["resumed"] = done.origin, done.resumed
             planned, tps = len(done.output_ids), self.config.decode_tokens_per_s
             seconds = delay_s + (planned / tps if tps > 0 else 0.0)
             decode_start = time.monotonic()
@@ -166,9 +168,8 @@ class Scheduler:
         entry["tokens"] = k
         if k < planned:  # cut: the client continues it elsewhere
             self._account(entry, "moved")
-            cut = self.completer.cut(
-                item.input_ids, item.sampling, done, k, abort_reason(ABORT_BY_REQUEST)
-            )
+            cut = self.completer.cut(item.input_ids, item.sampling, done, k,
+                                     abort_reason(ABORT_BY_REQUEST), entry["prompt"])  # fmt: skip
             return self._reply(item, cut, started, cached, outcome="moved")
         self._account(entry, "completed")
         return self._reply(item, done, started, cached)
@@ -189,7 +190,10 @@ class Scheduler:
             running = seq.aborted_in == "running"
             message = ABORT_BY_REQUEST if running else ABORT_IN_WAITING_QUEUE
             k = min(seq.generated, len(done.output_ids))
-            cut = self.completer.cut(item.input_ids, item.sampling, done, k, abort_reason(message))
+            origin = hash(tuple(item.input_ids)) if done.origin is None else done.origin
+            cut = self.completer.cut(
+                item.input_ids, item.sampling, done, k, abort_reason(message), origin
+            )
             return self._reply(
                 item, cut, started, cached, outcome="moved" if running or k else "waiting"
             )

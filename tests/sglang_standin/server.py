@@ -244,8 +244,9 @@ class Standin(Scheduler):
         return _json(list(self.served))
 
     async def slot_log_route(self, request: web.Request) -> web.Response:
-        """Each request's time on a slot, oldest first: {rid, start, end, outcome} with
-        wall-clock times (end None while it runs)."""
+        """Each request's time on a slot, oldest first: {rid, prompt, start, end, outcome,
+        tokens} with wall-clock times (end None while it runs); the rest of an answer
+        begun elsewhere is logged under that answer's prompt, with `resumed` tokens."""
         return _json(list(self.slot_log))
 
     async def stats(self, request: web.Request) -> web.Response:
