@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import sys
 import tempfile
 import time
@@ -82,6 +83,12 @@ DEFAULT_DELIVERY = {"REGEN_VISIBILITY_TIMEOUT": "100", "REGEN_RESTORE_INTERVAL":
 KILL_AT = 0.4
 
 
+# held_prompts.py's line for running answers handed over to faster servers.
+HANDED_OVER = re.compile(
+    r"handed (?P<answers>\d+) running answers \((?P<tokens>\d+) tokens so far\)"
+)
+
+
 @dataclass(frozen=True)
 class Figures:
     run: str
@@ -96,6 +103,10 @@ class Figures:
     lost_at_kill: int = 0
     moved: int = 0  # prompts not started, given back to the queue for another worker
     moved_back: int = 0  # of those, run by the worker that gave them back
+    # Running answers a worker handed over to a faster server, which continued them
+    # (held_prompts.py), and the tokens they had decoded by then.
+    handed_over: int = 0
+    handed_over_tokens: int = 0
     per_server_prompts: list[int] | None = None
     # Per server: seconds its worker had left the job's end to faster servers while
     # work waited (not counted in busy).
@@ -291,7 +302,8 @@ def measure(
     rate = sum(args.slots * 1000.0 / ms for ms in speeds)
     started: dict[int, int] = {}
     for e in entries:  # the same prompt ids: the same prompt, in any delivery or retry
-        started[e["prompt"]] = started.get(e["prompt"], 0) + 1
+        if not e.get("resumed"):  # the rest of a handed-over answer is not a new start
+            started[e["prompt"]] = started.get(e["prompt"], 0) + 1
     return Figures(
         run=name,
         prompts=args.prompts,
@@ -311,15 +323,19 @@ def moves(f: Figures, r: redis.Redis, spec: jobspec.JobSpec, workers: list[Worke
     """The prompts each worker's log says it gave back (held_prompts.py), and how many
     of them the same worker ran after all (ping-pong); prompts run per server."""
     ran_by = {res.id: res.worker for res in results(r, spec.name)}
-    moved = moved_back = 0
+    moved = moved_back = handed = handed_tokens = 0
     for worker in workers:
         for line in worker.log().splitlines():
             if "back to the queue in" in line:
                 ids = line.rsplit(": ", 1)[1].split(",")
                 moved += len(ids)
                 moved_back += sum(ran_by.get(i) == worker.name for i in ids)
+            elif (hand_over := HANDED_OVER.search(line)) is not None:
+                handed += int(hand_over["answers"])
+                handed_tokens += int(hand_over["tokens"])
     per_server = [sum(w == worker.name for w in ran_by.values()) for worker in workers]
-    return replace(f, moved=moved, moved_back=moved_back, per_server_prompts=per_server)
+    return replace(f, moved=moved, moved_back=moved_back, per_server_prompts=per_server,
+                   handed_over=handed, handed_over_tokens=handed_tokens)  # fmt: skip
 
 
 def available_at(entries: list[dict[str, Any]], first: float) -> dict[int, float]:
@@ -409,6 +425,7 @@ def report(f: Figures, args: argparse.Namespace) -> None:
         f"--max-inflight {args.max_inflight}: busy {busy} (target >= {target}), "
         f"waste {f.waste:.2%}, aborted {f.aborted}, given back {f.given_back}, "
         f"prompts moved {f.moved} (back to their giver {f.moved_back}), "
+        f"answers handed over {f.handed_over} ({f.handed_over_tokens} tokens), "
         f"prompts per server {f.per_server_prompts}, "
         f"left to faster servers {' '.join(f'{a:.0f}' for a in f.away_s or [])} s, "
         f"span {f.span_s:.0f} s over ideal {f.ideal_s:.0f} s = {f.span_over_ideal:.2f}x"

@@ -126,6 +126,7 @@ class Side:
     answers_per_server: list[int]
     other_requests: int  # requests not for a job prompt (SpecForge's one-token probe)
     aborted: int
+    handed_over: int  # answers a server handed over to another, which continued them
     # (prompt hash, output tokens) of each answer, to check both sides did the same work.
     work: list[tuple[int, int]] = field(repr=False, default_factory=list)
 
@@ -388,7 +389,9 @@ def measure(
         prompts=args.prompts,
         records=records,
         answered_once=set(answers) == prompt_keys and set(answers.values()) == {1},
-        output_tokens=sum(e["tokens"] for e in done),
+        # A handed-over answer's rest is logged under its prompt, with the tokens
+        # decoded before it on the server it left (the stand-in's slot log).
+        output_tokens=sum(e["tokens"] + e.get("resumed", 0) for e in done),
         wall_s=last_record - started,
         span_s=span,
         util=sum(busy) / (args.slots * len(logs) * span),
@@ -404,7 +407,8 @@ def measure(
         end_s=last_record - last_end,
         other_requests=sum(e["prompt"] not in prompt_keys for e in entries),
         aborted=aborted,
-        work=sorted((e["prompt"], e["tokens"]) for e in done),
+        work=sorted((e["prompt"], e["tokens"] + e.get("resumed", 0)) for e in done),
+        handed_over=sum(e["outcome"] == "moved" for e in entries),
     )
 
 
@@ -419,7 +423,8 @@ def report(s: Side, args: argparse.Namespace) -> None:
         f"wall {s.wall_s:.1f} s, span {s.span_s:.1f} s, util {s.util:.3f} ({per_server}), "
         f"answers {answers}, last answer at {ends} s, "
         f"cpu {s.cpu_s:.1f} s, overhead {s.overhead_s:.1f} s (start {s.start_s:.1f} s, "
-        f"end {s.end_s:.1f} s), other requests {s.other_requests}, aborted {s.aborted}",
+        f"end {s.end_s:.1f} s), other requests {s.other_requests}, aborted {s.aborted}, "
+        f"handed over {s.handed_over}",
         flush=True,
     )
 
