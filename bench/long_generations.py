@@ -153,7 +153,9 @@ def run(name: str, args: argparse.Namespace) -> Figures:
         url = stack.enter_context(running_redis(tmp / "redis")).url
         r = redis.Redis.from_url(url)
         spec = enqueue(url, tmp, name, args, max_new_tokens=longest + 64)
-        servers = stack.enter_context(standins(speeds, args.slots, dist))
+        # The fleet's own store of handed-over answers' rests (a fresh one each run).
+        cont = str(tmp / "continuations")
+        servers = stack.enter_context(standins(speeds, args.slots, dist, continuations_dir=cont))
         workers = []
         for i, server in enumerate(servers):
             workers.append(stack.enter_context(

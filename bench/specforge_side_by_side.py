@@ -216,7 +216,9 @@ def run_side(tool: str, name: str, first: str, args: argparse.Namespace) -> Side
     with tempfile.TemporaryDirectory() as tmp_name, ExitStack() as stack:
         tmp = Path(tmp_name)
         rows, prompt_keys = write_rows(tmp / "rows.jsonl", args.prompts)
-        servers = stack.enter_context(standins(speeds, args.slots, dist))
+        # The fleet's own store of handed-over answers' rests (a fresh one each run).
+        cont = str(tmp / "continuations")
+        servers = stack.enter_context(standins(speeds, args.slots, dist, continuations_dir=cont))
         if tool == "regen":
             order = first_order(servers, first)
             started, last_record, records, cpu_s = run_regen(stack, tmp, rows, order, longest)
