@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
+from regen.common import jobspec
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_replies import Failure, parse_result
+from regen.consumers.generate.held_prompts import BEFORE_SEND_ON
 from regen.consumers.generate.resume import continued_sampling, joined
 from regen.ops.reconcile import reconcile
 from tests.generate_harness import (
@@ -26,7 +31,7 @@ from tests.generate_harness import (
 )
 from tests.helpers import wait_for
 from tests.redis_server import running_redis
-from tests.sglang_standin import run_standin
+from tests.sglang_standin import StandinHandle, run_standin
 
 
 def result(output_ids: list[int], prompt_tokens: int, **fields: object) -> GenerateResult:
@@ -127,13 +132,22 @@ def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: P
         assert slow.stats()["moved_total"] == 1 and slow.stats()["aborted_total"] == 0
 
 
-@pytest.mark.slow
-def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path) -> None:
-    """Two real workers: a slow server's worker alone first, then a 40x faster one. Once
-    both speeds are known the slow worker leaves the job's end and hands its running
-    long answers over as the fast server's slots fall idle; the fast one continues
-    them. Every prompt answered once, each moved answer equal token for token to the
-    answer one server gives, nothing thrown away."""
+@dataclass
+class Fleet:
+    url: str
+    r: redis.Redis
+    spec: jobspec.JobSpec
+    slow: StandinHandle
+    fast: StandinHandle
+    slow_worker: Worker
+
+
+@contextmanager
+def slow_then_fast(tmp_path: Path, slow_env: dict[str, str] | None = None) -> Iterator[Fleet]:
+    """A slow server's worker alone first, then a 40x faster one's; yields once the slow
+    worker has measured its speed on 8 warm-up answers (the first two chunks, started
+    together) and runs long answers (30 s each there, 0.75 s on the fast server), with
+    the fast worker started."""
     short = [f"[answer-length 40] Warm-up question {i}." for i in range(8)]
     long = [f"[answer-length 1500] Long question {i}." for i in range(24)]
     standin = {"answer_length_from_prompt": True, "continuations_dir": str(tmp_path / "cont")}
@@ -146,27 +160,58 @@ def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path)
         r = redis.Redis.from_url(url)
         spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000)
         common = ["--engine", "sglang", "--jobs", "g"]
-        with Worker(url, tmp_path, *common, "--max-inflight", "8", "--server", slow.url) as s:
-            # Its speed measured on the warm-up answers (the first two chunks, started
-            # together), and long ones running: 30 s each here, 0.75 s on the fast one.
+        slow_args = [*common, "--max-inflight", "8", "--server", slow.url]
+        with Worker(url, tmp_path, *slow_args, env=slow_env) as slow_worker:
             wait_for(lambda: slow.stats()["completed"] >= 8 and slow.stats()["running"] == 8,
                      timeout=120, what="the slow worker to run long answers")  # fmt: skip
             with Worker(url, tmp_path, *common, "--server", fast.url):
-                wait_for(lambda: all_generated(r, spec), timeout=240, what="the job")
-            log = s.log()
-        assert "leaving the last prompts of" in log
-        assert "running answers" in log and "over to faster servers" in log
-        got = results(r, "g")
-        assert sorted(x.id for x in got) == sorted(enqueued_ids(r, "g"))
+                yield Fleet(url, r, spec, slow, fast, slow_worker)
+            assert "leaving the last prompts of" in slow_worker.log()
+
+
+@pytest.mark.slow
+def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path) -> None:
+    """Once both speeds are known the slow worker leaves the job's end and hands its
+    running long answers over as the fast server's slots fall idle; the fast one
+    continues them. Every prompt answered once, each moved answer equal token for token
+    to the answer one server gives, nothing thrown away."""
+    with slow_then_fast(tmp_path) as fleet:
+        wait_for(lambda: all_generated(fleet.r, fleet.spec), timeout=240, what="the job")
+        got = results(fleet.r, "g")
+        assert sorted(x.id for x in got) == sorted(enqueued_ids(fleet.r, "g"))
         moved = [x for x in got if x.resumed_tokens]
         assert moved, "no answer was handed over"
-        assert slow.stats()["moved_total"] >= len(moved)
-        assert slow.stats()["aborted_total"] == 0 and fast.stats()["aborted_total"] == 0
+        slow, fast = fleet.slow.stats(), fleet.fast.stats()
+        assert slow["moved_total"] >= len(moved)
+        assert slow["aborted_total"] == 0 and fast["aborted_total"] == 0
         for x in moved:
             assert len(x.output_ids) == 1501 and x.completion_tokens == 1501
             assert x.prompt_tokens == len(x.prompt_ids)
             # One answer to the prompt: what a server gives it from scratch.
             body = {"input_ids": x.prompt_ids, "sampling_params": x.sampling, "rid": f"{x.id}-x"}
-            assert fast.generate(body).json()["output_ids"] == x.output_ids
-        report = reconcile(r, spec, None, read_shards=False)
+            assert fleet.fast.generate(body).json()["output_ids"] == x.output_ids
+        report = reconcile(fleet.r, fleet.spec, None, read_shards=False)
+        assert report.places["in_flight"] == len(got) and not report.problem_counts
+
+
+@pytest.mark.slow
+def test_a_worker_killed_holding_an_answer_so_far_loses_and_repeats_nothing(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL at the worst point: an answer handed over (the slow server stopped it),
+    its answer so far only in the dead worker's memory. The chunk comes back when its
+    lease lapses and the fast worker runs that prompt again from the start: every
+    prompt generated exactly once, nothing lost."""
+    env = {"REGEN_CRASHPOINT": BEFORE_SEND_ON}
+    with slow_then_fast(tmp_path, slow_env=env) as fleet:
+        wait_for(lambda: fleet.slow.stats()["moved_total"] >= 1, timeout=120,
+                 what="the slow worker to hand an answer over")  # fmt: skip
+        wait_for(lambda: fleet.slow_worker.process.poll() is not None, timeout=30,
+                 what="the slow worker to die at the crash point")  # fmt: skip
+        wait_for(lambda: all_generated(fleet.r, fleet.spec), timeout=240, what="the job")
+        got = results(fleet.r, "g")
+        assert sorted(x.id for x in got) == sorted(enqueued_ids(fleet.r, "g"))
+        # Nothing was given on with an answer so far: the worker died first.
+        assert not any(x.resumed_tokens for x in got)
+        report = reconcile(fleet.r, fleet.spec, None, read_shards=False)
         assert report.places["in_flight"] == len(got) and not report.problem_counts

@@ -22,6 +22,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from regen.common import crashpoints
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.consumers.generate.chunk_life import (
     ChunkLease,
@@ -46,6 +47,9 @@ WAITING_CHECK_S = 0.2
 HAND_OVER_CHECK_S = 1.0
 # The server queues an abort and answers at once; this only bounds a server gone wrong.
 HAND_OVER_TIMEOUT_S = 15.0
+# Crash point (common/crashpoints.py): answers handed over, their answers so far only in
+# this worker's memory.
+BEFORE_SEND_ON = "generate.before_send_on"
 
 
 class HeldPrompts:
@@ -148,6 +152,7 @@ class HeldPrompts:
             dataclasses.replace(prompt, resume_ids=list(result.output_ids) or None)
             for prompt, result in handed
         ]
+        crashpoints.hit(BEFORE_SEND_ON)
         chunks = give_back_unstarted(self._ctx.redis, messages, self._queue, self._lease,
                                      self._chunk, prompts)  # fmt: skip
         self._ctx.gave_back_at = time.monotonic()
