@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from tests.generate_harness import (
 from tests.helpers import wait_for
 from tests.redis_server import running_redis
 from tests.sglang_standin import StandinHandle, run_standin
+from tests.test_sglang_router import needs_router, run_router
 
 
 def result(output_ids: list[int], prompt_tokens: int, **fields: object) -> GenerateResult:
@@ -130,6 +132,35 @@ def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: P
         assert continued.output_ids == whole.output_ids
         assert continued.resumed_tokens == len(so_far.output_ids)
         assert slow.stats()["moved_total"] == 1 and slow.stats()["aborted_total"] == 0
+
+
+@needs_router
+def test_behind_a_router_without_abort_nothing_is_handed_over_and_the_answer_completes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sglang-router 0.3 has no /abort_request (404): the engine says so once, asks
+    that server no more, and the answer runs to its end untouched."""
+    options = {"decode_tokens_per_s": 1000, "output_len_dist": "fixed:n=1500",
+               "continuations_dir": str(tmp_path / "cont")}  # fmt: skip
+    with run_standin(**options) as server, run_router([server], tmp_path) as router:
+
+        async def scenario() -> tuple[bool, bool, GenerateResult]:
+            request = GenerateRequest("r1", [1, 2, 3, 4], {"max_new_tokens": 4000})
+            async with SGLangHTTPEngine([router.url]) as engine:
+                running = asyncio.ensure_future(engine.generate(request))
+                await asyncio.to_thread(
+                    wait_for, lambda: server.stats()["running"] == 1, 20, "the request to run"
+                )
+                first, second = await engine.hand_over("r1"), await engine.hand_over("r1")
+                return first, second, await running
+
+        with caplog.at_level(logging.WARNING):
+            first, second, answer = asyncio.run(scenario())
+        assert not first and not second
+        assert not answer.handed_over and len(answer.output_ids) == 1501
+        assert server.stats()["moved_total"] == 0
+        warned = [m for m in caplog.messages if "has no /abort_request" in m]
+        assert len(warned) == 1, caplog.messages
 
 
 @dataclass

@@ -10,7 +10,8 @@ slow server's last answers move").
 The requests this worker runs are known by the prompt's rid (GenerateRequest.rid); each
 attempt's own rid (a retry's carries a suffix) and server are what the abort names. A
 reply aborted for any other reason (shutdown, an operator) stays a failure: only the
-requests asked for here come back as answers so far.
+requests asked for here come back as answers so far. A server that has no such route
+(a proxy or router in front that does not pass it on) is asked no more.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # /abort_request only queues a message to the scheduler: it answers at once.
 ABORT_TIMEOUT_S = 10.0
+# Replies that say the route is not there (not found, method not allowed, not built).
+NO_ROUTE = frozenset({404, 405, 501})
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class HandOvers:
     def __init__(self) -> None:
         self._running: dict[str, Attempt] = {}
         self._asked: set[str] = set()
+        self._no_route: set[str] = set()  # server URLs without /abort_request
 
     def started(self, rid: str, server: ServerState, attempt_rid: str) -> None:
         self._running[rid] = Attempt(server, attempt_rid)
@@ -66,7 +70,7 @@ class HandOvers:
         """Abort the running attempt of `rid` on its server; False when none runs (between
         retries, or finished) or the server did not take the abort."""
         attempt = self._running.get(rid)
-        if attempt is None:
+        if attempt is None or attempt.server.url in self._no_route:
             return False
         self._asked.add(rid)
         server = attempt.server
@@ -80,6 +84,10 @@ class HandOvers:
             ) as response:
                 ok = response.status == 200
                 await response.read()
+            if response.status in NO_ROUTE:
+                self._no_route.add(server.url)
+                log.warning("%s has no /abort_request (HTTP %d): its running answers are "
+                            "not handed over", server.label, response.status)  # fmt: skip
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("could not hand over %s on %s: %s", rid, server.label, exc)
             ok = False
