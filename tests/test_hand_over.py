@@ -33,6 +33,8 @@ from tests.generate_harness import (
 from tests.helpers import wait_for
 from tests.redis_server import running_redis
 from tests.sglang_standin import StandinHandle, run_standin
+from tests.sglang_standin.process import free_port
+from tests.test_metrics import scrape, value
 from tests.test_sglang_router import needs_router, run_router
 
 
@@ -171,6 +173,7 @@ class Fleet:
     slow: StandinHandle
     fast: StandinHandle
     slow_worker: Worker
+    slow_metrics_port: int
 
 
 @contextmanager
@@ -191,12 +194,14 @@ def slow_then_fast(tmp_path: Path, slow_env: dict[str, str] | None = None) -> It
         r = redis.Redis.from_url(url)
         spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000)
         common = ["--engine", "sglang", "--jobs", "g"]
-        slow_args = [*common, "--max-inflight", "8", "--server", slow.url]
+        port = free_port()
+        slow_args = [*common, "--max-inflight", "8", "--server", slow.url,
+                     "--metrics-port", str(port)]  # fmt: skip
         with Worker(url, tmp_path, *slow_args, env=slow_env) as slow_worker:
             wait_for(lambda: slow.stats()["completed"] >= 8 and slow.stats()["running"] == 8,
                      timeout=120, what="the slow worker to run long answers")  # fmt: skip
             with Worker(url, tmp_path, *common, "--server", fast.url):
-                yield Fleet(url, r, spec, slow, fast, slow_worker)
+                yield Fleet(url, r, spec, slow, fast, slow_worker, port)
             assert "leaving the last prompts of" in slow_worker.log()
 
 
@@ -214,6 +219,11 @@ def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path)
         assert moved, "no answer was handed over"
         slow, fast = fleet.slow.stats(), fleet.fast.stats()
         assert slow["moved_total"] >= len(moved)
+        samples = scrape(fleet.slow_metrics_port)
+        assert value(samples, "regen_generate_handed_over_answers_total") == slow["moved_total"]
+        assert value(samples, "regen_generate_handed_over_tokens_total") == sum(
+            x.resumed_tokens for x in moved
+        )
         assert slow["aborted_total"] == 0 and fast["aborted_total"] == 0
         for x in moved:
             assert len(x.output_ids) == 1501 and x.completion_tokens == 1501

@@ -31,6 +31,10 @@ class ChunkContext:
     # Output tokens and prompts handed off, for heartbeats and metrics.
     tokens: RateMeter = field(default_factory=RateMeter)
     prompts: RateMeter = field(default_factory=RateMeter)
+    # Running answers handed over to faster servers, and the tokens they had decoded
+    # (held_prompts.py): work that moved, not work lost.
+    handed_over: RateMeter = field(default_factory=RateMeter)
+    handed_over_tokens: RateMeter = field(default_factory=RateMeter)
     # The recent answers' lengths and latencies: this server's speed (answer_stats.py).
     answers: AnswerStats = field(default_factory=AnswerStats)
     # Prompts submitted to the engine and not finished; chunks being worked on; the

@@ -156,13 +156,16 @@ class HeldPrompts:
         chunks = give_back_unstarted(self._ctx.redis, messages, self._queue, self._lease,
                                      self._chunk, prompts)  # fmt: skip
         self._ctx.gave_back_at = time.monotonic()
+        tokens = sum(len(p.resume_ids or ()) for p in prompts)
+        self._ctx.handed_over.add(len(prompts))
+        self._ctx.handed_over_tokens.add(tokens)
         # bench/long_generations.py reads the ids and the tokens moved off the logs.
         log.info(
             "chunk %s: handed %d running answers (%d tokens so far) over to faster servers "
             "in %d chunks: %s",
             self._chunk.chunk_id,
             len(prompts),
-            sum(len(p.resume_ids or ()) for p in prompts),
+            tokens,
             chunks,
             ",".join(p.id for p in prompts),
         )

@@ -37,6 +37,17 @@ class GenerateCollector(Collector):
             "Tokens generated (completion tokens) in the prompts handed off.",
             value=ctx.tokens.total,
         )
+        yield CounterMetricFamily(
+            "regen_generate_handed_over_answers",
+            "Running answers this worker handed over to faster servers, which continue "
+            "them (docs/design.md, A slow server's last answers move).",
+            value=ctx.handed_over.total,
+        )
+        yield CounterMetricFamily(
+            "regen_generate_handed_over_tokens",
+            "Output tokens the answers handed over had decoded here (kept, not lost).",
+            value=ctx.handed_over_tokens.total,
+        )
         yield GaugeMetricFamily(
             "regen_generate_inflight_prompts",
             "Prompts of the chunks this worker holds that are not finished yet.",
