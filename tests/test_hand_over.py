@@ -99,6 +99,17 @@ def test_only_an_abort_the_worker_asked_for_is_an_answer_so_far() -> None:
     assert so_far.handed_over and so_far.output_ids == [4, 5]
 
 
+async def sent_and_running(
+    engine: SGLangHTTPEngine, request: GenerateRequest, server: StandinHandle
+) -> asyncio.Future[GenerateResult]:
+    """`request` sent through `engine`, returned once `server` runs it."""
+    running = asyncio.ensure_future(engine.generate(request))
+    await asyncio.to_thread(
+        wait_for, lambda: server.stats()["running"] == 1, 20, "the request to run"
+    )
+    return running
+
+
 def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: Path) -> None:
     """SGLang's /abort_request on the stand-in: the request's own /generate returns the
     answer so far, which a second server (same seed) continues into the whole answer."""
@@ -111,10 +122,7 @@ def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: P
         async def scenario() -> tuple[GenerateResult, GenerateResult, GenerateResult]:
             request = GenerateRequest("r1", [1, 2, 3, 4], {"max_new_tokens": 4000})
             async with SGLangHTTPEngine([slow.url]) as on_slow:
-                running = asyncio.ensure_future(on_slow.generate(request))
-                await asyncio.to_thread(
-                    wait_for, lambda: slow.stats()["running"] == 1, 20, "the request to run"
-                )
+                running = await sent_and_running(on_slow, request, slow)
                 await asyncio.sleep(0.5)  # some tokens decoded
                 assert await on_slow.hand_over("r1")
                 so_far = await running
@@ -149,10 +157,7 @@ def test_behind_a_router_without_abort_nothing_is_handed_over_and_the_answer_com
         async def scenario() -> tuple[bool, bool, GenerateResult]:
             request = GenerateRequest("r1", [1, 2, 3, 4], {"max_new_tokens": 4000})
             async with SGLangHTTPEngine([router.url]) as engine:
-                running = asyncio.ensure_future(engine.generate(request))
-                await asyncio.to_thread(
-                    wait_for, lambda: server.stats()["running"] == 1, 20, "the request to run"
-                )
+                running = await sent_and_running(engine, request, server)
                 first, second = await engine.hand_over("r1"), await engine.hand_over("r1")
                 return first, second, await running
 
