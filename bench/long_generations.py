@@ -18,7 +18,9 @@ each run:
 - prompts moved: prompts a worker had not started and gave back to the queue for
   another worker's idle slots (docs/design.md, "Only what can start soon"), and of
   those, the ones the same worker took back and ran (ping-pong: should be 0); prompts
-  run per server;
+  run per server; running answers a slow worker handed over to faster servers, which
+  continued them, and the tokens they had decoded (docs/design.md, "A slow server's
+  last answers move": moved work, counted as neither waste nor an abort);
 - span over ideal: from the first request to the last answer, over the useful tokens
   at the fleet's token rate (informative only: with long-tailed lengths the last
   answers dominate a small job's span).

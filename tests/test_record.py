@@ -3,6 +3,7 @@ encoded from designed answers, `text` made the way SGLang's detokenizer makes it
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,16 @@ def test_kimi_thinking_record_is_token_exact(kimi: RecordContext) -> None:
     assert (record["server"], record["generated_by"]) == ("http://gpu-1:30000", "w-1")
     assert set(record) == set(RECORD_FIELDS)
     assert all(isinstance(record[k], types) for k, types in RECORD_FIELDS.items())
+
+
+def test_an_answer_continued_on_another_server_makes_the_same_record(kimi: RecordContext) -> None:
+    """A handed-over answer joined with its continuation (resume.py) carries no text
+    (two decodes side by side may differ from the whole's): its record is the record
+    of the same answer decoded on one server."""
+    output = ids(kimi.tokenizer, "Let me think.", THINK_END, "The answer is 4.", IM_END)
+    whole = make_result(kimi, output)
+    joined = dataclasses.replace(whole, text=None, resumed_tokens=3)
+    assert build_record(joined, kimi) == build_record(whole, kimi)
 
 
 def test_kimi_default_thinking_is_detected(kimi_tokenizer: Any) -> None:
