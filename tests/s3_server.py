@@ -4,7 +4,6 @@ variables, as an S3-compatible store's users set them)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -13,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import boto3
-import httpx
 
-from tests.helpers import wait_for
+from tests.emulator import answers, serving
 from tests.redis_server import free_port
 
 
@@ -46,25 +44,12 @@ class S3Server:
         )
 
 
-def _answers(endpoint: str) -> bool:
-    try:
-        return httpx.get(endpoint, timeout=2, trust_env=False).status_code < 500
-    except httpx.HTTPError:
-        return False
-
-
 @contextmanager
 def s3_server() -> Iterator[S3Server]:
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        wait_for(lambda: process.poll() is None and _answers(endpoint), timeout=60,
-                 what="moto's S3 server")  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with serving(argv, lambda: answers(endpoint), "moto's S3 server"):
         env = {
             "AWS_ACCESS_KEY_ID": "regen-test-key",
             "AWS_SECRET_ACCESS_KEY": "regen-test-secret",
@@ -73,6 +58,3 @@ def s3_server() -> Iterator[S3Server]:
             "AWS_ALLOW_HTTP": "true",  # obstore refuses plain http without it
         }
         yield S3Server(endpoint, env)
-    finally:
-        process.kill()
-        process.wait()
