@@ -27,27 +27,23 @@ class GenerateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         ctx = self._ctx
-        yield CounterMetricFamily(
-            "regen_generate_prompts",
-            "Prompts generated and handed to the tokenize stage by this worker.",
-            value=ctx.prompts.total,
-        )
-        yield CounterMetricFamily(
-            "regen_generate_output_tokens",
-            "Tokens generated (completion tokens) in the prompts handed off.",
-            value=ctx.tokens.total,
-        )
-        yield CounterMetricFamily(
-            "regen_generate_handed_over_answers",
-            "Running answers this worker handed over to faster servers, which continue "
-            "them (docs/design.md, A slow server's last answers move).",
-            value=ctx.handed_over.total,
-        )
-        yield CounterMetricFamily(
-            "regen_generate_handed_over_tokens",
-            "Output tokens the answers handed over had decoded here (kept, not lost).",
-            value=ctx.handed_over_tokens.total,
-        )
+        counters = (
+            ("regen_generate_prompts",
+             "Prompts generated and handed to the tokenize stage by this worker.",
+             ctx.prompts),
+            ("regen_generate_output_tokens",
+             "Tokens generated (completion tokens) in the prompts handed off.",
+             ctx.tokens),
+            ("regen_generate_handed_over_answers",
+             "Running answers this worker handed over to faster servers, which continue "
+             "them (docs/design.md, A slow server's last answers move).",
+             ctx.handed_over),
+            ("regen_generate_handed_over_tokens",
+             "Output tokens the answers handed over had decoded here (kept, not lost).",
+             ctx.handed_over_tokens),
+        )  # fmt: skip
+        for name, documentation, meter in counters:
+            yield CounterMetricFamily(name, documentation, value=meter.total)
         yield GaugeMetricFamily(
             "regen_generate_inflight_prompts",
             "Prompts of the chunks this worker holds that are not finished yet.",
