@@ -145,9 +145,11 @@ class HeldPrompts:
         far to continue (none decoded yet: a plain prompt again), in the lease-checked
         give-back of unstarted prompts: every prompt stays open in exactly one chunk.
         Raises LeaseLost."""
+        if not handed:
+            return
         messages = self._ctx.messages
-        if not handed or messages is None:
-            return  # a bare context never asks for a hand-over (_leaving)
+        if messages is None:  # never asked for by a bare context (_leaving): not dropped
+            raise RuntimeError("an answer was handed over where no chunk can carry it on")
         prompts = [
             dataclasses.replace(prompt, resume_ids=list(result.output_ids) or None)
             for prompt, result in handed
