@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from aiohttp import web
 
 from regen.common import jobspec
 from regen.common.chunk import Chunk, ChunkPrompt
@@ -145,29 +146,74 @@ def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: P
 
 
 @needs_router
-def test_behind_a_router_without_abort_nothing_is_handed_over_and_the_answer_completes(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_behind_sglangs_router_the_abort_goes_to_the_servers_it_routes_to(
+    tmp_path: Path,
 ) -> None:
-    """sglang-router 0.3 has no /abort_request (404): the engine says so once, asks
-    that server no more, and the answer runs to its end untouched."""
-    options = {"decode_tokens_per_s": 1000, "output_len_dist": "fixed:n=1500",
+    """sglang-router 0.3 has no /abort_request (404) but passes the rid on: the engine
+    asks the router for its servers and aborts the rid on each, and the answer so far
+    comes back through the router."""
+    options = {"decode_tokens_per_s": 500, "output_len_dist": "fixed:n=2000",
                "continuations_dir": str(tmp_path / "cont")}  # fmt: skip
-    with run_standin(**options) as server, run_router([server], tmp_path) as router:
+    with (
+        run_standin(**options) as busy,
+        run_standin(**options) as other,
+        run_router([busy, other], tmp_path) as router,
+    ):
 
-        async def scenario() -> tuple[bool, bool, GenerateResult]:
+        async def scenario() -> tuple[bool, GenerateResult]:
             request = GenerateRequest("r1", [1, 2, 3, 4], {"max_new_tokens": 4000})
             async with SGLangHTTPEngine([router.url]) as engine:
-                running = await sent_and_running(engine, request, server)
-                first, second = await engine.hand_over("r1"), await engine.hand_over("r1")
-                return first, second, await running
+                running = asyncio.ensure_future(engine.generate(request))
+                await asyncio.to_thread(
+                    wait_for, lambda: busy.stats()["running"] + other.stats()["running"] == 1,
+                    20, "the request to run",
+                )  # fmt: skip
+                return await engine.hand_over("r1"), await running
 
-        with caplog.at_level(logging.WARNING):
-            first, second, answer = asyncio.run(scenario())
-        assert not first and not second
-        assert not answer.handed_over and len(answer.output_ids) == 1501
-        assert server.stats()["moved_total"] == 0
-        warned = [m for m in caplog.messages if "has no /abort_request" in m]
-        assert len(warned) == 1, caplog.messages
+        handed, so_far = asyncio.run(scenario())
+        assert handed and so_far.handed_over and 0 < len(so_far.output_ids) < 2000
+        assert busy.stats()["moved_total"] + other.stats()["moved_total"] == 1
+
+
+def test_a_server_without_abort_that_is_no_router_is_asked_no_more(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A proxy that serves /generate alone: the engine says so once, asks that server no
+    more, and the answer runs to its end untouched."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def generate(request: web.Request) -> web.Response:
+        arrived.set()
+        await release.wait()
+        meta = {"id": "r1", "finish_reason": {"type": "stop", "matched": 2},
+                "prompt_tokens": 4, "completion_tokens": 2}  # fmt: skip
+        return web.json_response({"text": "ok", "output_ids": [7, 2], "meta_info": meta})
+
+    async def scenario() -> tuple[bool, bool, GenerateResult]:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/health_generate", lambda request: web.Response())
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            request = GenerateRequest("r1", [1, 2, 3, 4], {"max_new_tokens": 10})
+            async with SGLangHTTPEngine([f"http://127.0.0.1:{port}"]) as engine:
+                running = asyncio.ensure_future(engine.generate(request))
+                await arrived.wait()
+                first, second = await engine.hand_over("r1"), await engine.hand_over("r1")
+                release.set()
+                return first, second, await running
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.WARNING):
+        first, second, answer = asyncio.run(scenario())
+    assert not first and not second
+    assert not answer.handed_over and answer.output_ids == [7, 2]
+    warned = [m for m in caplog.messages if "has no /abort_request" in m]
+    assert len(warned) == 1, caplog.messages
 
 
 @dataclass

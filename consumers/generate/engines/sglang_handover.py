@@ -10,12 +10,14 @@ slow server's last answers move").
 The requests this worker runs are known by the prompt's rid (GenerateRequest.rid); each
 attempt's own rid (a retry's carries a suffix) and server are what the abort names. A
 reply aborted for any other reason (shutdown, an operator) stays a failure: only the
-requests asked for here come back as answers so far. A server that has no such route
-(a proxy or router in front that does not pass it on) is asked no more.
+requests asked for here come back as answers so far. SGLang's router (0.3) has no such
+route but passes the rid on to the server it picks, so behind it the abort goes to every
+server it routes to; a server that has no such route and is no router is asked no more.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ import aiohttp
 import orjson
 
 from regen.consumers.generate.engines.sglang_pool import ServerState
+from regen.consumers.generate.engines.sglang_router import RouterError, router_worker_urls
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +76,48 @@ class HandOvers:
         if attempt is None or attempt.server.url in self._no_route:
             return False
         self._asked.add(rid)
-        server = attempt.server
-        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
         try:
-            async with http.post(
-                server.url + "/abort_request",
-                data=orjson.dumps({"rid": attempt.rid}),
-                headers={**headers[server], "Content-Type": "application/json"},
-                timeout=timeout,
-            ) as response:
-                ok = response.status == 200
-                await response.read()
-            if response.status in NO_ROUTE:
-                self._no_route.add(server.url)
-                log.warning("%s has no /abort_request (HTTP %d): its running answers are "
-                            "not handed over", server.label, response.status)  # fmt: skip
+            ok = await self._abort(http, attempt, dict(headers[attempt.server]))
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("could not hand over %s on %s: %s", rid, server.label, exc)
+            log.warning("could not hand over %s on %s: %s", rid, attempt.server.label, exc)
             ok = False
         if not ok:
             # Its reply, should an abort from elsewhere come, is a failure as before.
             self._asked.discard(rid)
         return ok
+
+    async def _abort(
+        self, http: aiohttp.ClientSession, attempt: Attempt, headers: dict[str, str]
+    ) -> bool:
+        """POST the abort to the attempt's server; behind SGLang's router (which has no
+        such route, but passes the rid on) to each server it routes to: a server that
+        does not run the rid ignores it."""
+        server = attempt.server
+        status = await _post_abort(http, server.url, attempt.rid, headers)
+        if status not in NO_ROUTE:
+            return status == 200
+        try:
+            workers = await router_worker_urls(server.url, session=http, headers=headers)
+        except RouterError:
+            self._no_route.add(server.url)
+            log.warning("%s has no /abort_request (HTTP %d) and is no router: its running "
+                        "answers are not handed over", server.label, status)  # fmt: skip
+            return False
+        statuses = await asyncio.gather(
+            *(_post_abort(http, url, attempt.rid, headers) for url in workers),
+            return_exceptions=True,
+        )
+        return any(status == 200 for status in statuses)
+
+
+async def _post_abort(
+    http: aiohttp.ClientSession, base_url: str, rid: str, headers: dict[str, str]
+) -> int:
+    async with http.post(
+        base_url + "/abort_request",
+        data=orjson.dumps({"rid": rid}),
+        headers={**headers, "Content-Type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S),
+    ) as response:
+        await response.read()
+        return response.status
