@@ -207,7 +207,8 @@ def _generate_all(
             held.finished([outcome.index for outcome in finished])
             if lease.lost.is_set():
                 raise LeaseLost("another delivery holds the chunk")
-            completed, handed = [], []
+            completed: list[tuple[ChunkPrompt, GenerateResult]] = []
+            handed: list[tuple[ChunkPrompt, GenerateResult]] = []
             for outcome in finished:
                 prompt = held.started[outcome.index]
                 if isinstance(outcome.error, PromptRejected):
@@ -219,10 +220,9 @@ def _generate_all(
                     raise ChunkDeferred("the engine loop cancelled a prompt")
                 elif outcome.error is not None:
                     raise outcome.error
-                elif cast(GenerateResult, outcome.result).handed_over:
-                    handed.append((prompt, cast(GenerateResult, outcome.result)))
                 else:
-                    completed.append((prompt, cast(GenerateResult, outcome.result)))
+                    result = cast(GenerateResult, outcome.result)
+                    (handed if result.handed_over else completed).append((prompt, result))
             _hand_off(ctx, lease, chunk, completed, sampling)
             held.send_on(handed)
             generated += len(completed)

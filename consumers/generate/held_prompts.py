@@ -74,9 +74,9 @@ class HeldPrompts:
         self.running = 0
         self.waiting = list(todo)
         ctx.count_waiting(len(todo))
-        # The running prompts by outcome index, each with when it started and its rid;
-        # those asked to hand their answer over.
-        self._rids: dict[int, tuple[float, str]] = {}
+        # The running prompts' outcome indices (in the order they started), and those
+        # asked to hand their answer over.
+        self._running_indices: set[int] = set()
         self._handing_over: set[int] = set()
 
     def start_first(self) -> Batch[GenerateResult]:
@@ -116,7 +116,7 @@ class HeldPrompts:
     def finished(self, indices: list[int]) -> None:
         """The prompts of these outcome indices ended (answered, failed or handed over)."""
         for index in indices:
-            self._rids.pop(index, None)
+            self._running_indices.discard(index)
             self._handing_over.discard(index)
         count = len(indices)
         self.running -= count
@@ -134,7 +134,7 @@ class HeldPrompts:
         """How long to wait for an outcome before looking again (None: until one)."""
         if self.waiting:
             return WAITING_CHECK_S
-        if len(self._rids) > len(self._handing_over) and self._ctx.messages is not None:
+        if len(self._running_indices) > len(self._handing_over) and self._ctx.messages is not None:
             # The worker may leave the job's end while these run (minutes at real
             # lengths): a look a second, which costs nothing until it leaves.
             return HAND_OVER_CHECK_S
@@ -179,9 +179,7 @@ class HeldPrompts:
 
     def _take(self, count: int) -> list[ChunkPrompt]:
         prompts, self.waiting = self.waiting[:count], self.waiting[count:]
-        now = time.monotonic()
-        for index, prompt in enumerate(prompts, start=len(self.started)):
-            self._rids[index] = (now, self._rid(prompt))
+        self._running_indices.update(range(len(self.started), len(self.started) + count))
         self.started += prompts
         self.running += count
         return prompts
@@ -206,13 +204,13 @@ class HeldPrompts:
         handed over (send_on). Not with stop strings: one could straddle the cut, and
         the server continuing the answer would not see it."""
         ctx = self._ctx
-        candidates = [i for i in self._rids if i not in self._handing_over]
+        candidates = sorted(self._running_indices - self._handing_over)
         my_tps = ctx.answers.decode_tps()
         if not candidates or ctx.peers is None or my_tps is None or self._sampling.get("stop"):
             return
         count = ctx.peers.claim(self._queue, len(candidates), faster_than=my_tps * FASTER)
-        for index in sorted(candidates, key=lambda i: self._rids[i][0])[:count]:
-            rid = self._rids[index][1]
+        for index in candidates[:count]:  # started in index order: the oldest first
+            rid = self._rid(self.started[index])
             try:
                 handed = ctx.runner.call(ctx.runner.engine.hand_over(rid), HAND_OVER_TIMEOUT_S)
             except TimeoutError:

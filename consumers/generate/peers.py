@@ -89,7 +89,7 @@ class PeerView:
         less those this worker recently gave prompts back for."""
         with self._lock:
             self._refresh()
-            return max(0, self._total(queue, 0.0).idle - self._claimed(queue)[0])
+            return max(0, self._total(queue).idle - self._claimed(queue)[0])
 
     def claim(
         self, queue: str, wanted: int, beyond_slack: int = 0, faster_than: float = 0.0
@@ -118,14 +118,19 @@ class PeerView:
         """The live peers consuming `queue` whose requests decode at least `than_tps`."""
         with self._lock:
             self._refresh()
-            rooms = self._rooms.get(queue, {}).values()
-            return [r for r in rooms if r.decode_tps is not None and r.decode_tps >= than_tps]
+            return self._faster(queue, than_tps)
 
-    def _total(self, queue: str, faster_than: float) -> PeerRoom:
-        rooms = [
-            r for r in self._rooms.get(queue, {}).values()
-            if faster_than <= 0 or (r.decode_tps is not None and r.decode_tps >= faster_than)
-        ]  # fmt: skip
+    def _faster(self, queue: str, than_tps: float) -> list[PeerRoom]:
+        rooms = self._rooms.get(queue, {}).values()
+        return [r for r in rooms if r.decode_tps is not None and r.decode_tps >= than_tps]
+
+    def _total(self, queue: str, faster_than: float = 0.0) -> PeerRoom:
+        """Peers' room on `queue`: all of them, or those decoding at `faster_than` or more."""
+        rooms = (
+            self._faster(queue, faster_than)
+            if faster_than > 0
+            else self._rooms.get(queue, {}).values()
+        )
         return PeerRoom(sum(r.idle for r in rooms), sum(r.short for r in rooms), 0.0)
 
     def _refresh(self) -> None:

@@ -37,7 +37,7 @@ def joined(result: GenerateResult, resume_ids: list[int]) -> GenerateResult:
     count checks still hold the server to what it was sent)."""
     resumed = len(resume_ids)
     prompt_tokens = result.prompt_tokens - resumed
-    cached = None if result.cached_tokens is None else min(result.cached_tokens, prompt_tokens)
+    cached = result.cached_tokens
     return dataclasses.replace(
         result,
         output_ids=[*resume_ids, *result.output_ids],
@@ -46,7 +46,8 @@ def joined(result: GenerateResult, resume_ids: list[int]) -> GenerateResult:
         text=None,
         prompt_tokens=prompt_tokens,
         completion_tokens=result.completion_tokens + resumed,
-        cached_tokens=max(0, cached) if cached is not None else None,
+        # Never more than the prompt itself: the answer so far was sent as prompt too.
+        cached_tokens=None if cached is None else max(0, min(cached, prompt_tokens)),
         resumed_tokens=result.resumed_tokens + resumed,
     )
 
