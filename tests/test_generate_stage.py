@@ -235,44 +235,42 @@ def test_a_warm_shutdown_finishes_what_it_holds_and_loses_nothing(
 def test_auto_in_flight_finishes_a_kv_bound_job_and_its_heartbeat_shows_the_moved_limit(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
-    """`--max-inflight auto` against a server whose KV budget fits ~30 of these requests:
-    the limit starts at 256, the server queues (and retracts), the limit comes down, and
-    every prompt still arrives exactly once."""
-    prompts = [f"Question {i} about the tides" for i in range(120)]
-    spec = enqueue_prompts(redis_url, tmp_path, prompts)
-    limits: list[tuple[int, str]] = []
+    """`--max-inflight auto` against a server whose KV budget holds ~5 of these answers:
+    the limit starts at 256, the first prompts the worker starts (more than 5) outgrow the
+    budget as they decode, the server retracts, the limit comes down, and every prompt
+    still arrives exactly once.
 
-    def heartbeat_limits() -> None:
-        for raw in r.hvals(keys.WORKERS):
-            for server in orjson.loads(raw).get("engine_stats", {}).get("servers", []):
-                limits.append((server["max_inflight"], server["limit_reason"]))
+    Every answer is 100 tokens, so retractions do not hang on timing: each wave of
+    prompts the worker starts outgrows the budget as it decodes, again and again while
+    the job runs (the first /metrics reading only sets the controller's baseline)."""
+    prompts = [f"[answer-length 100] Question {i} about the tides" for i in range(24)]
+    spec = enqueue_prompts(redis_url, tmp_path, prompts, max_new_tokens=100)
 
-    def finished() -> bool:
-        heartbeat_limits()
-        return all_generated(r, spec)
+    def backed_off() -> list[tuple[int, str]]:
+        """The heartbeat's limits that a back-off set."""
+        limits = [
+            (server["max_inflight"], server["limit_reason"])
+            for raw in r.hvals(keys.WORKERS)
+            for server in orjson.loads(raw).get("engine_stats", {}).get("servers", [])
+        ]
+        return [(limit, why) for limit, why in limits if why.startswith("back off")]
 
+    standin = {"decode_step_s": 0.03, "kv_budget_tokens": 600, "answer_length_from_prompt": True}
+    auto = ["--engine", "sglang", "--max-inflight", "auto", "--jobs", "g"]
     with (
-        run_standin(decode_step_s=0.05, kv_budget_tokens=1500) as server,
+        run_standin(**standin) as server,
         Worker(
-            redis_url,
-            tmp_path,
-            "--engine",
-            "sglang",
-            "--server",
-            server.url,
-            "--max-inflight",
-            "auto",
-            "--jobs",
-            "g",
-            env={"REGEN_HEARTBEAT_STALE_S": "4"},
-        ),  # fmt: skip
+            redis_url, tmp_path, *auto, "--server", server.url, env={"REGEN_HEARTBEAT_STALE_S": "4"}
+        ),
     ):
-        wait_for(finished, timeout=180, what="all chunks generated and acked")
+        wait_for(lambda: all_generated(r, spec), timeout=180, what="all chunks generated and acked")
+        # A heartbeat every ~1.3 s: the one after the back-off shows it.
+        wait_for(backed_off, timeout=30, what="a backed-off limit in the heartbeat")
+        moved = backed_off()
         stats = server.stats()
     assert dlq.count(r, "g", "generate") == 0
     assert result_ids(r, "g") == enqueued_ids(r, "g")
     assert len(results(r, "g")) == len(prompts)  # none twice in the stream
-    assert stats["peak_running"] < len(prompts)  # the KV budget bound the batch
-    assert limits[0] == (256, "start: fixed default")
-    moved = [(limit, reason) for limit, reason in limits if reason.startswith("back off")]
-    assert moved and all(limit < 256 for limit, _ in moved), limits
+    assert stats["retracted_total"] > 0  # the KV budget bound the batch
+    # Down from the fixed start of 256, for the retractions.
+    assert all(limit < 256 and "retracted" in why for limit, why in moved), moved
