@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,12 +35,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# What the stand-in prints once it listens (server.serve): the port it bound.
+LISTENING = re.compile(rb"standin listening on http://[^:]+:(\d+)")
+
+
 class StandinHandle:
+    """One stand-in process. With port 0 in its config the stand-in binds a free port
+    itself and the handle learns it from the log in `wait_ready`: a port picked here and
+    bound there could be taken in between by a parallel test's server, which would then
+    answer this handle's health checks (and its worker's requests) instead."""
+
     def __init__(self, config: StandinConfig) -> None:
         self.config = config
-        self.port = config.port
-        self.url = f"http://{config.host}:{config.port}"
-        fd, log = tempfile.mkstemp(prefix=f"standin-{self.port}-", suffix=".log")
+        fd, log = tempfile.mkstemp(prefix="standin-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log)
         self._proc: subprocess.Popen[bytes] | None = None
@@ -50,6 +58,15 @@ class StandinHandle:
             trust_env=False,
             limits=httpx.Limits(max_keepalive_connections=0),
         )
+
+    @property
+    def port(self) -> int:
+        """The port it serves on (0 until `wait_ready` has read the one it bound)."""
+        return self.config.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
 
     # --- process ---------------------------------------------------------------------
     def start(self) -> None:
@@ -65,16 +82,36 @@ class StandinHandle:
             )
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S, *, healthy: bool = True) -> None:
-        """Poll /health until 200 (or, with healthy=False, until it answers at all)."""
+        """Poll /health until 200 (or, with healthy=False, until it answers at all), from
+        this handle's own process."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 raise RuntimeError(f"stand-in exited before serving:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.TransportError):
-                if self._http.get("/health").status_code == 200 or not healthy:
-                    return
+            if self.config.port == 0:
+                self._read_bound_port()
+            elif self._answers(healthy):
+                return
             time.sleep(0.05)
         raise TimeoutError(f"stand-in not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def _read_bound_port(self) -> None:
+        found = LISTENING.search(self.log_path.read_bytes())
+        if found:
+            self.config = dataclasses.replace(self.config, port=int(found[1]))
+            self._http.base_url = httpx.URL(self.url)
+
+    def _answers(self, healthy: bool) -> bool:
+        try:
+            if self._http.get("/health").status_code != 200 and healthy:
+                return False
+            pid = self.stats()["pid"]
+        except httpx.HTTPError:
+            return False
+        if self._proc is None or pid != self._proc.pid:
+            # A fixed port (a restart's) that another test's server holds: ours cannot bind.
+            raise RuntimeError(f"port {self.port} is served by another process (pid {pid})")
+        return True
 
     @property
     def alive(self) -> bool:
@@ -162,14 +199,15 @@ def start_standin(port: int | None = None, **options: Any) -> StandinHandle:
     if isinstance(options.get("output_len_dist"), str):
         options["output_len_dist"] = LengthDist.parse(options["output_len_dist"])
     options["fault"] = tuple(options.get("fault", ()))
-    handle = StandinHandle(StandinConfig(port=port or free_port(), **options))
+    handle = StandinHandle(StandinConfig(port=port or 0, **options))
     handle.start()
     return handle
 
 
 @contextlib.contextmanager
 def run_standin(port: int | None = None, **options: Any) -> Iterator[StandinHandle]:
-    """A serving stand-in subprocess on a free port (or `port`), always cleaned up."""
+    """A serving stand-in subprocess on a free port it binds itself (or on `port`), always
+    cleaned up."""
     handle = start_standin(port, **options)
     try:
         handle.wait_ready(healthy=not options.get("startup_delay") and not options.get("unhealthy"))

@@ -9,6 +9,7 @@ waiting queue) becomes `{"object": "error", "message": ..., "code": 503}`.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 import weakref
@@ -255,6 +256,7 @@ class Standin(Scheduler):
         return _json(
             {
                 **self.counters,
+                "pid": os.getpid(),  # whose stats: tells a test's handle its process answers
                 "capacity": self.slots.capacity,
                 "running": self.running,
                 "queued": self.queued,
