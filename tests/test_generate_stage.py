@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import orjson
@@ -261,16 +262,19 @@ def test_auto_in_flight_finishes_a_kv_bound_job_and_its_heartbeat_shows_the_move
         run_standin(**standin) as server,
         Worker(
             redis_url, tmp_path, *auto, "--server", server.url, env={"REGEN_HEARTBEAT_STALE_S": "4"}
-        ),
+        ) as worker,
     ):
         wait_for(lambda: all_generated(r, spec), timeout=180, what="all chunks generated and acked")
         # A heartbeat every ~1.3 s: the one after the back-off shows it.
         wait_for(backed_off, timeout=30, what="a backed-off limit in the heartbeat")
         moved = backed_off()
         stats = server.stats()
+        first_move = re.search(r"in-flight limit of \S+: (\d+) \((.*)\)", worker.log())
     assert dlq.count(r, "g", "generate") == 0
     assert result_ids(r, "g") == enqueued_ids(r, "g")
     assert len(results(r, "g")) == len(prompts)  # none twice in the stream
-    assert stats["retracted_total"] > 0  # the KV budget bound the batch
-    # Down from the fixed start of 256, for the retractions.
+    assert stats["retracted_total"] > 0 and stats["peak_running"] < len(prompts)
+    # The limit started at the fixed 256: its first move is a back-off to 85% of that.
+    assert first_move is not None
+    assert int(first_move[1]) == 217 and first_move[2].startswith("back off: retracted")
     assert all(limit < 256 and "retracted" in why for limit, why in moved), moved

@@ -272,8 +272,7 @@ def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path)
         assert slow["moved_total"] >= len(moved)
         samples = scrape(fleet.slow_metrics_port)
         # Each hand-over the worker counts is an abort the server made: of a running
-        # answer, or of one that still waited for a slot (a slot frees a moment after
-        # its answer is sent, so a new request may wait that moment).
+        # answer, or of a request the abort reached before it took a slot.
         aborts = slow["moved_total"] + slow["moved_waiting_total"]
         assert value(samples, "regen_generate_handed_over_answers_total") == aborts, slow
         assert value(samples, "regen_generate_handed_over_tokens_total") == sum(

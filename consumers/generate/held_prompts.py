@@ -74,8 +74,8 @@ class HeldPrompts:
         self.running = 0
         self.waiting = list(todo)
         ctx.count_waiting(len(todo))
-        # The running prompts' outcome indices (in the order they started), and those
-        # asked to hand their answer over.
+        # The running prompts' outcome indices (indices are given in start order), and
+        # those asked to hand their answer over.
         self._running_indices: set[int] = set()
         self._handing_over: set[int] = set()
 
