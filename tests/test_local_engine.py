@@ -18,6 +18,7 @@ from regen.consumers.generate.engine import (
 )
 from regen.consumers.generate.engines.local import LocalEngine
 from regen.consumers.generate.engines.local_model import dequantized_copy
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,17 @@ def prompts(smollm2_tokenizer: Any) -> list[list[int]]:
         )
         rendered.append(smollm2_tokenizer.encode(text, add_special_tokens=False))
     return rendered
+
+
+def loaded(engine: LocalEngine) -> None:
+    """Wait for the model: an engine loads it on a thread of its own, and only a request
+    with no outage limit waits for that by itself."""
+    wait_for(
+        lambda: engine.stats()["loaded"] or engine.stats()["error"],
+        timeout=240,
+        what="the local model to load",
+    )
+    assert engine.stats()["loaded"], engine.stats()["error"]
 
 
 def run(engine: LocalEngine, *asks: tuple[list[int], dict[str, Any]]) -> list[Any]:
@@ -177,6 +189,7 @@ def test_a_busy_loaded_engine_is_waited_out_past_the_outage_limit(
     engine: LocalEngine, prompts: list[list[int]]
 ) -> None:
     long_run = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    loaded(engine)
 
     async def main() -> tuple[GenerateResult, GenerateResult]:
         running = asyncio.ensure_future(
@@ -206,6 +219,7 @@ def test_engines_share_one_model_and_a_closed_engine_refuses_work(
 
 
 def test_dequantized_weights_cache_is_exact(engine: LocalEngine) -> None:
+    loaded(engine)
     cache_dir = engine._load_args[-1]
     assert isinstance(cache_dir, Path)
     entry = dequantized_copy(engine.ref, cache_dir)  # a hit: built when the engine loaded

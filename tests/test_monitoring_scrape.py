@@ -243,6 +243,14 @@ def test_every_metric_an_alert_reads_returns_series(prometheus: Prometheus) -> N
 
 
 def test_the_job_metrics_say_the_job_is_done(prometheus: Prometheus) -> None:
+    # Prometheus started after the job finished, and nothing else reads the job metrics:
+    # each scrape of them reads the finished job. Wait for the first to be stored (its
+    # `up` sample lands with its series, in one commit).
+    wait_for(
+        lambda: bool(prometheus.query('up{job="regen-metrics"} == 1')),
+        what="a scrape of the job metrics",
+    )
+
     def value(expr: str) -> float:
         (sample,) = prometheus.query(expr)
         return float(sample["value"][1])
