@@ -1,6 +1,7 @@
 """Check SGLang's source (an unpacked wheel or an installed package) for the in-process
-API that `--engine sglang-engine` and the offline stand-in rely on, without importing it
-(importing sglang needs CUDA).
+API that `--engine sglang-engine` and the offline stand-in rely on, and for the
+`POST /abort_request` contract that regen's hand-over and the HTTP stand-in rely on
+(docs/design.md, "SGLang facts"), without importing it (importing sglang needs CUDA).
 
     python scripts/check_sglang_api.py PATH/TO/sglang      # the package folder
     python scripts/check_sglang_api.py sglang-0.5.23-*.whl  # or a wheel
@@ -25,6 +26,18 @@ ASYNC_GENERATE_KEYWORDS = ("input_ids", "sampling_params", "rid")
 REGEN_SERVER_ARGS = ("model_path", "tp_size", "trust_remote_code", "log_level")
 # Texts of the errors the engine's mapping and the stand-ins copy.
 TOKENIZER_MANAGER_TEXTS = ("is longer than the", "model's context length")
+# Where the abort contract lives, under the package's srt/ (the tokenizer manager beside).
+ABORT_SOURCES = {
+    "http_server": "entrypoints/http_server.py",
+    "scheduler": "managers/scheduler.py",
+    "schedule_batch": "managers/schedule_batch.py",
+}
+ABORT_ROUTE = re.compile(r'@app\.(?:post|api_route)\(\s*"/abort_request"')
+PREFIX_MATCH = re.compile(r"\.rid\.startswith\(\s*recv_req\.rid\s*\)")
+# The flag an abort sets on a running request (0.5.3 and older: to_abort), and the
+# method that ends a request after a step (0.5.23: update_finish_state).
+ABORT_FLAGS = ("self.to_finish", "self.to_abort")
+FINISH_CHECKS = ("check_finished", "update_finish_state")
 
 
 def method_params(tree: ast.Module, class_name: str, method: str) -> list[str] | None:
@@ -38,6 +51,63 @@ def method_params(tree: ast.Module, class_name: str, method: str) -> list[str] |
                     args = item.args
                     return [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
     return None
+
+
+def find_function(
+    tree: ast.Module, names: tuple[str, ...]
+) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The first function or method named one of `names` (a method's names across a
+    rename)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
+            return node
+    return None
+
+
+def abort_problems(package: Path) -> list[str]:
+    """What breaks the abort contract: the route, the scheduler's prefix match, the
+    abort flag read before the other finish checks (so a running request aborted on its
+    last step still returns that step's token, the end-of-turn one included), and
+    output_ids in the reply to a request aborted in the waiting queue."""
+    srt = package / "srt"
+    sources = {name: srt / path for name, path in ABORT_SOURCES.items()}
+    missing = [path for path in sources.values() if not path.exists()]
+    if missing:
+        return [f"{path.relative_to(package.parent)} is missing" for path in missing]
+    problems: list[str] = []
+    if not ABORT_ROUTE.search(sources["http_server"].read_text()):
+        problems.append("http_server.py has no POST /abort_request route")
+    scheduler = sources["scheduler"].read_text()
+    abort = find_function(ast.parse(scheduler), ("abort_request",))
+    if abort is None or not PREFIX_MATCH.search(ast.get_source_segment(scheduler, abort) or ""):
+        problems.append(
+            "Scheduler.abort_request does not end every rid starting with the one asked"
+        )
+    finish = find_function(ast.parse(sources["schedule_batch"].read_text()), FINISH_CHECKS)
+    # Its finish checks in order, less the guard of a request already finished.
+    body = finish.body if finish else []
+    checks = [ast.unparse(node.test) for node in body if isinstance(node, ast.If)]
+    checks = [test for test in checks if test != "self.finished()"]
+    if not checks or not checks[0].startswith(ABORT_FLAGS):
+        problems.append(
+            "Req.check_finished does not read the abort flag (to_finish) before its length "
+            "and EOS checks: an abort on the last step would not return that step's token"
+        )
+    manager = ast.parse((srt / "managers" / "tokenizer_manager.py").read_text())
+    handler = find_function(manager, ("_handle_abort_req",))
+    keys = [
+        key.value
+        for node in (ast.walk(handler) if handler else ())
+        if isinstance(node, ast.Dict)
+        for key in node.keys
+        if isinstance(key, ast.Constant)
+    ]
+    if "output_ids" not in keys:
+        problems.append(
+            "the reply to a request aborted in the waiting queue "
+            "(TokenizerManager._handle_abort_req) has no output_ids"
+        )
+    return problems
 
 
 def declared_fields(package: Path) -> set[str]:
@@ -82,7 +152,7 @@ def check(package: Path, server_args: tuple[str, ...] = REGEN_SERVER_ARGS) -> li
     ]
     fields = declared_fields(package)
     problems += [f"ServerArgs has no field {name!r}" for name in server_args if name not in fields]
-    return problems
+    return problems + abort_problems(package)
 
 
 def package_folder(path: Path, scratch: Path) -> Path:

@@ -1,5 +1,6 @@
 """The in-process SGLang API that `--engine sglang-engine` and the offline stand-in rely
-on, checked in the real SGLang source (wheels from PyPI, read without importing: sglang
+on, and the `POST /abort_request` contract of regen's hand-over and the HTTP stand-in,
+checked in the real SGLang source (wheels from PyPI, read without importing: sglang
 needs CUDA), at both ends of the range the `sglang` extra allows."""
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ pytestmark = pytest.mark.slow
 WHEELS = REPO_ROOT / ".pytest_cache" / "sglang-wheels"
 CHECK = REPO_ROOT / "scripts" / "check_sglang_api.py"
 OLDEST_WITHOUT_RID = "0.5.5"  # async_generate gained `rid` in 0.5.6
+# 0.5.1 to 0.5.4 answer a request aborted in their waiting queue with {"text": ""} alone.
+QUEUED_ABORT_WITHOUT_IDS = "0.5.3"
+NO_QUEUED_OUTPUT_IDS = (
+    "the reply to a request aborted in the waiting queue "
+    "(TokenizerManager._handle_abort_req) has no output_ids"
+)
 
 
 def oldest_allowed() -> str:
@@ -68,3 +75,18 @@ def test_the_release_the_stand_in_copies_has_every_argument_it_accepts() -> None
 
 def test_the_check_fails_on_a_release_without_rid() -> None:
     assert problems(OLDEST_WITHOUT_RID) == ["Engine.async_generate has no 'rid' keyword"]
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
+def test_the_abort_contract_holds_on_the_releases_regen_runs_on(version: str) -> None:
+    """The route, the rid prefix match, the abort flag read before the length and EOS
+    checks (an abort on the last step returns that step's token), and output_ids in the
+    reply to a request aborted while queued: all there."""
+    assert problems(version) == []
+
+
+def test_the_check_fails_on_a_release_whose_queued_abort_has_no_output_ids() -> None:
+    assert problems(QUEUED_ABORT_WITHOUT_IDS) == [
+        "Engine.async_generate has no 'rid' keyword",
+        NO_QUEUED_OUTPUT_IDS,
+    ]

@@ -15,8 +15,13 @@ A retracted request keeps its output ids but loses its KV: it waits again and is
 prefilled anew (prompt + output so far), which is the cost of over-filling a server.
 Sleeping, not computing, keeps the stand-in cheap on a shared CPU.
 
-POST /abort_request (aborts.py) takes a sequence out of the batch, as a cancelled one
-leaves it, and its waiter gets back the tokens decoded so far.
+A pass decodes `tokens_per_step` tokens per running request (speculative decoding's
+accepted tokens; 1 without it), the last pass of an answer only what it still needs.
+
+POST /abort_request (aborts.py) takes a waiting sequence out of the queue at once; a
+running one, as SGLang's `to_finish`, still runs the pass in flight and leaves with that
+pass's tokens too (all of them, even past its end), or, when the abort is to land on its
+last step, runs on to that step. A cancelled sequence (its client gone) leaves at once.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tests.sglang_standin.aborts import wait_unless
 from tests.sglang_standin.config import StandinConfig
@@ -46,6 +52,8 @@ class Sequence:
     generated: int = 0
     # Where POST /abort_request found it: "running" or "waiting" (None: not aborted).
     aborted_in: str | None = None
+    # Aborted while running: the pass it finishes in, the "next" or its "last".
+    abort_on: Literal["next", "last"] | None = None
 
     @property
     def tokens(self) -> int:
@@ -87,11 +95,17 @@ class BatchEngine:
         return self.used_tokens / budget if budget else 0.0
 
     async def run(
-        self, prompt_len: int, target: int, abort: asyncio.Event | None = None
+        self,
+        prompt_len: int,
+        target: int,
+        abort: asyncio.Event | None = None,
+        *,
+        last_step: bool = False,
     ) -> Sequence:
         """Wait until a request of `prompt_len` tokens has decoded `target` tokens, or
         until `abort` is set (then `aborted_in` says where it was, `generated` how far
-        it got; it is not counted in aborted_total: its client keeps that output)."""
+        it got, after the pass in flight or, with `last_step`, its last pass; it is not
+        counted in aborted_total: its client keeps that output)."""
         max_queued = self.config.max_queued_requests
         if max_queued is not None and len(self.waiting) + 1 > max_queued:
             raise QueueFull("The request queue is full.")
@@ -101,7 +115,12 @@ class BatchEngine:
             self._loop = asyncio.create_task(self._run_passes())
         try:
             if await wait_unless(abort, seq.done) and not seq.done.done():
-                seq.aborted_in = "running" if seq in self.running else "waiting"
+                if seq in self.running:
+                    seq.abort_on = "last" if last_step else "next"
+                    await seq.done  # _decode ends it
+                    seq.aborted_in = "running"
+                else:
+                    seq.aborted_in = "waiting"
         except asyncio.CancelledError:
             self.stats.aborted_total += 1
             raise
@@ -142,12 +161,13 @@ class BatchEngine:
         return prefilled
 
     def _make_room(self) -> None:
-        """Retract until every running request has a KV slot for its next token."""
+        """Retract until every running request has KV slots for its next step's tokens."""
         budget = self.config.kv_budget_tokens
         if not budget:
             return
         retracted = 0
-        while len(self.running) > 1 and self.used_tokens + len(self.running) > budget:
+        step = self.config.tokens_per_step
+        while len(self.running) > 1 and self.used_tokens + step * len(self.running) > budget:
             victim = min(self.running, key=lambda s: (s.generated, -s.prompt_len))
             self._drop(victim)
             self.waiting.appendleft(victim)
@@ -166,15 +186,24 @@ class BatchEngine:
     def _decode(self, now: float, seconds: float) -> None:
         stats = self.stats
         stats.busy_seq_s += len(self.running) * seconds
+        step = self.config.tokens_per_step
         finished = []
+        decoded = 0
         for seq in self.running:
-            seq.generated += 1
-            if seq.generated >= seq.target:
+            last = seq.generated + step >= seq.target
+            if seq.abort_on == "next" or (seq.abort_on == "last" and last):
+                # SGLang checks to_finish before the length and EOS: the whole step stays.
+                n = step
+            else:
+                n = min(step, seq.target - seq.generated)
+            seq.generated += n
+            decoded += n
+            if last or seq.abort_on == "next":
                 finished.append(seq)
-        self.used_tokens += len(self.running)
+        self.used_tokens += decoded
         self.reserve = max(0.0, self.reserve - RETRACT_RESERVE / RESERVE_DECAY_PASSES)
-        stats.window_tokens += len(self.running)
-        stats.decoded_total += len(self.running)
+        stats.window_tokens += decoded
+        stats.decoded_total += decoded
         stats.decode_passes += 1
         if stats.decode_passes % DECODE_LOG_INTERVAL == 0:
             stats.gen_throughput = stats.window_tokens / max(now - stats.window_start, 1e-9)

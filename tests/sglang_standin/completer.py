@@ -208,13 +208,20 @@ class Completer:
     ) -> Completion:
         """`done` aborted after its first k tokens: those, with `reason`; the rest is
         kept for a server asked to continue input_ids + those k (continuations.py),
-        with `origin`, the slot-log key of the prompt the answer began on."""
+        with `origin`, the slot-log key of the prompt the answer began on. A k that
+        reaches the end (an abort on the answer's last step) returns the whole answer,
+        and past it (that step gave several tokens) what a model decodes after its end:
+        then nothing is left to continue."""
+        ids = done.output_ids
+        seed = sampling.get("sampling_seed")
+        if k >= len(ids):
+            past = k - len(ids)
+            rng = random.Random(self._digest(input_ids + ids, seed))
+            return self._finish(ids + self._text_ids(rng, past)[:past], reason, sampling)
         if self.continuations is not None and k > 0:
-            key = self._digest(input_ids + done.output_ids[:k], sampling.get("sampling_seed"))
-            self.continuations.put(
-                key, done.output_ids[k:], done.finish_reason, origin, done.resumed + k
-            )
-        return self._finish(done.output_ids[:k], reason, sampling)
+            key = self._digest(input_ids + ids[:k], seed)
+            self.continuations.put(key, ids[k:], done.finish_reason, origin, done.resumed + k)
+        return self._finish(ids[:k], reason, sampling)
 
     def _finish(
         self, ids: list[int], reason: dict[str, Any], sampling: dict[str, Any]

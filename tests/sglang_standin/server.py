@@ -1,5 +1,6 @@
 """The stand-in's HTTP surface: SGLang's /generate contract, its OpenAI chat route
-(chat.py), /abort_request (aborts.py), plus test-only control routes.
+(chat.py), /abort_request (aborts.py), plus test-only control routes; the routes and
+shapes of the SGLang version it imitates (versions.py), and its API keys (auth.py).
 
 Error bodies copy SGLang 0.5's shapes: a ValueError from request validation becomes
 HTTP 400 `{"error": {"message": ...}}`; a scheduler abort with a status (the full
@@ -20,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from tests.sglang_standin.aborts import parse_abort
+from tests.sglang_standin.auth import UNAUTHORIZED, allowed
 from tests.sglang_standin.chat import chat_error, chat_response, parse_chat
 from tests.sglang_standin.completer import Completer
 from tests.sglang_standin.config import StandinConfig, parse_fault
@@ -49,7 +51,8 @@ class Standin(Scheduler):
 
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=256 * 1024 * 1024, middlewares=[self._count_connections]
+            client_max_size=256 * 1024 * 1024,
+            middlewares=[self._count_connections, self._authorize],
         )
         for method in ("POST", "PUT"):  # as SGLang's route
             app.router.add_route(method, "/generate", self.generate)
@@ -57,8 +60,11 @@ class Standin(Scheduler):
         app.router.add_post("/abort_request", self.abort_request)
         for path in ("/health", "/health_generate"):
             app.router.add_get(path, self.health)
-        app.router.add_get("/model_info", self.model_info)
-        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/get_server_info", self.server_info)
+        if self.release.short_info_routes:
+            app.router.add_get("/model_info", self.model_info)
+            app.router.add_get("/server_info", self.server_info)
         if not self.config.no_metrics:
             app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/_fault", self.set_fault)
@@ -78,6 +84,14 @@ class Standin(Scheduler):
             self._connections.add(transport)
             self.counters["connections_total"] += 1
         return await handler(request)
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """SGLang's API keys (auth.py): HTTP 401 before the route runs."""
+        c = self.config
+        if allowed(request.path, request.headers.get("Authorization"), c.api_key, c.admin_api_key):
+            return await handler(request)
+        return _json(UNAUTHORIZED, status=401)
 
     # --- SGLang routes -------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -178,9 +192,11 @@ class Standin(Scheduler):
     async def abort_request(self, request: web.Request) -> web.Response:
         """`{"rid": ...}` or `{"abort_all": true}`: HTTP 200 with an empty body, rid in
         flight or not; the request's own call returns its output so far (aborts.py)."""
-        parsed = parse_abort(await request.read())
+        parsed = parse_abort(await request.read(), self.release)
         if parsed is None:
-            return _json({"detail": "The body must be a JSON object."}, status=422)
+            return _json({"detail": "The body must be an AbortReq object."}, status=422)
+        if self.config.abort_reply_delay_s:
+            await asyncio.sleep(self.config.abort_reply_delay_s)
         self.abort(parsed[0], abort_all=parsed[1])
         return web.Response(status=200)
 
@@ -246,8 +262,9 @@ class Standin(Scheduler):
 
     async def slot_log_route(self, request: web.Request) -> web.Response:
         """Each request's time on a slot, oldest first: {rid, prompt, start, end, outcome,
-        tokens} with wall-clock times (end None while it runs); the rest of an answer
-        begun elsewhere is logged under that answer's prompt, with `resumed` tokens."""
+        tokens} with wall-clock times (end None while it runs; Scheduler.slot_log says
+        which outcomes and extra fields there are); the rest of an answer begun
+        elsewhere is logged under that answer's prompt, with `resumed` tokens."""
         return _json(list(self.slot_log))
 
     async def stats(self, request: web.Request) -> web.Response:
