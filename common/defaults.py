@@ -103,6 +103,15 @@ CONCURRENCY = 0
 # Log level of the worker (Celery's).
 LOGLEVEL = "INFO"
 
+# How long a generate worker's drain may take from the first SIGTERM (or SIGINT) to its
+# exit (`--drain-timeout`; consumers/generate/drain.py). Slurm's KillWait and Kubernetes'
+# terminationGracePeriodSeconds send SIGKILL 30 s after the SIGTERM: the drain's own
+# steps take about a second (an abort ends a request after one decode step; a give-back
+# is one Redis script per delivery), so 20 s leaves ten for Celery's exit and the
+# engine's close before the kill. A drain still running then exits 1: the chunks left
+# come back to the queue when their leases end, as after a crash.
+DRAIN_TIMEOUT_S = 20.0
+
 # --- generation --------------------------------------------------------------------
 # Requests kept in flight per SGLang server with a fixed `--max-inflight N`, and where
 # `--max-inflight auto` (the default for --engine sglang) starts and falls back to when a

@@ -8,7 +8,7 @@ and enqueueing more data into a job with a different spec is refused.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import orjson
@@ -97,6 +97,11 @@ class JobSpec:
         default=id_buckets.bucket_count(defaults.EXPECTED_PROMPTS), compare=False
     )
     created: float = field(default_factory=time.time, compare=False)
+    # The tokens the target's server ends an answer on, besides a request's own
+    # stop_token_ids (common/answer_ends.py): how a worker knows an answer aborted on its
+    # last step had ended. Not compared: a fact about the model, read when the job was
+    # made; empty in a spec from an older regen (save() fills it in).
+    end_token_ids: list[int] = field(default_factory=list, compare=False)
 
     def __post_init__(self) -> None:
         keys.check_job_name(self.name)
@@ -184,6 +189,11 @@ def save(r: redis.Redis, spec: JobSpec) -> JobSpec:
             + "\n  ".join(diff)
             + "\nUse the same settings to extend it, or a new --job name."
         )
+    if spec.end_token_ids and not stored.end_token_ids:
+        # A job an older regen made: learn its end tokens now, so that workers started
+        # from here on can move its running answers (none could before).
+        stored = replace(stored, end_token_ids=spec.end_token_ids)
+        r.set(key, stored.to_json())
     return stored
 
 

@@ -201,6 +201,12 @@ def job_publishing(job: str) -> str:
     return _job(job, "publishing")
 
 
+def job_paused(job: str) -> str:
+    """String: set while the job is paused (`regen pause`), "paused" or "now"
+    (common/job_pause.py); workers take none of its prompts."""
+    return _job(job, "paused")
+
+
 def job_follower(job: str) -> str:
     """String with an expiry: JSON of the job's live follower (`regen enqueue --follow`),
     renewed at each of its passes; `regen status` flags an unfinished job without one."""

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from regen.common import defaults
+from regen.common.answer_ends import misplaced_end, request_end_ids
 from regen.common.chat_family import (
     ChatFamily,
     ChatTemplateError,
@@ -101,6 +102,11 @@ class Reason(ReasonCode):
     UNKNOWN_FINISH_REASON = "unknown_finish_reason"
     COUNT_MISMATCH = "count_mismatch"
     STOP_MISMATCH = "stop_mismatch"  # finish says a stop token matched, output ends otherwise
+    # An end-of-turn token before the answer's last token, or more answer tokens than
+    # max_new_tokens: no server decodes that, so the answer is not one server's
+    # (common/answer_ends.py; docs/design.md, "Where an answer ends").
+    END_INSIDE_ANSWER = "end_inside_answer"
+    OVER_BUDGET = "over_budget"
     TEXT_MISMATCH = "text_mismatch"
     TRUNCATED = "truncated"
     TRUNCATED_DROPPED = "truncated_dropped"  # not dead-lettered: the stage notes the id only
@@ -171,6 +177,7 @@ class RecordContext:
 def build_record(result: GeneratedResult, ctx: RecordContext) -> dict[str, Any]:
     """The record for a result (see the module docstring); raises CheckFailed."""
     finish = _check_finish(result)
+    _check_one_answer(result, ctx)
     if finish == "length" and ctx.on_truncated != "keep":
         # Decided before decoding: the result will not be a record either way.
         reason = Reason.TRUNCATED_DROPPED if ctx.on_truncated == "drop" else Reason.TRUNCATED
@@ -251,6 +258,29 @@ def _check_finish(result: GeneratedResult) -> str:
             f"stop token {matched} matched but output ends with {result.output_ids[-1:]}",
         )
     return finish
+
+
+def _check_one_answer(result: GeneratedResult, ctx: RecordContext) -> None:
+    """The answer is one a server could have decoded: no end token before its last, no
+    more tokens than its budget. An answer moved between servers is the one way regen
+    could break either (docs/design.md, "Where an answer ends"); a trainer reading only
+    `input_ids` and `loss_mask` (SpecForge) would learn from such a record whatever flag
+    it carried, so it is refused here, never shipped."""
+    sampling = _sampling(result, ctx)
+    model_ends = ctx.spec.end_token_ids or ctx.family.end_of_turn_ids
+    inside = misplaced_end(result.output_ids, request_end_ids(model_ends, sampling))
+    if inside is not None:
+        raise CheckFailed(
+            Reason.END_INSIDE_ANSWER,
+            f"end token {result.output_ids[inside]} at {inside} of {len(result.output_ids)} "
+            "answer tokens: the answer goes on past its end",
+        )
+    budget = sampling.get("max_new_tokens")
+    if isinstance(budget, int) and len(result.output_ids) > budget:
+        raise CheckFailed(
+            Reason.OVER_BUDGET,
+            f"{len(result.output_ids)} answer tokens, over max_new_tokens {budget}",
+        )
 
 
 def _server_text(result: GeneratedResult, ctx: RecordContext, finish: str) -> str:

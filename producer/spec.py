@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from regen.common import chat_family, defaults, id_buckets, keys, provenance, tokenizer
+from regen.common import answer_ends, chat_family, defaults, id_buckets, keys, provenance, tokenizer
 from regen.common import jobspec as jobspecs
 from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, TURNS_LAST, JobSpec
 
@@ -133,6 +133,9 @@ def prepare_job(options: JobOptions) -> PreparedJob:
         samples=options.samples,
         prompt_text=PROMPT_TEXT_AS_WRITTEN,
         id_buckets=id_buckets.bucket_count(options.expected_prompts),
+        end_token_ids=answer_ends.server_end_ids(
+            tok, family.end_of_turn_ids, model_ref.folder if model_ref else None
+        ),
     )
     made_by = provenance.job_provenance(spec, tok, model_ref.folder if model_ref else None)
     return PreparedJob(

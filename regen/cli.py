@@ -14,6 +14,7 @@ from regen import (
     cli_dlq,
     cli_enqueue,
     cli_metrics,
+    cli_pause,
     cli_plan,
     cli_recover,
     cli_redis,
@@ -76,6 +77,8 @@ main.add_command(cli_plan.plan)
 main.add_command(cli_plan.preflight)
 main.add_command(cli_dlq.dlq_group)
 main.add_command(cli_status.status)
+main.add_command(cli_pause.pause)
+main.add_command(cli_pause.resume)
 main.add_command(cli_status.verify)
 main.add_command(cli_demo.demo)
 main.add_command(cli_recover.recover)

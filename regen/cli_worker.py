@@ -92,6 +92,19 @@ def _worker_options(**values: Any) -> WorkerOptions:
         help="SGLang server URL (repeat, or comma-separate, for several).",
     ),
     click.option(
+        "--sglang-api-key",
+        envvar="REGEN_SGLANG_API_KEY",
+        help="The servers' --api-key (set REGEN_SGLANG_API_KEY: ps shows command lines).",
+    ),
+    click.option(
+        "--sglang-admin-api-key",
+        envvar="REGEN_SGLANG_ADMIN_API_KEY",
+        help=(
+            "The servers' --admin-api-key, which their /abort_request takes: without it "
+            "such servers' running answers never move (set REGEN_SGLANG_ADMIN_API_KEY)."
+        ),
+    ),
+    click.option(
         "--model",
         help="Model of an in-process engine, and the jobs to serve (default: the jobs').",
     ),
@@ -129,6 +142,15 @@ def _worker_options(**values: Any) -> WorkerOptions:
         default=defaults.CONCURRENCY,
         show_default="enough to keep the engine full",
         help="Chunks held at once.",
+    ),
+    seconds_option(
+        "--drain-timeout",
+        "drain_timeout_s",
+        default=defaults.DRAIN_TIMEOUT_S,
+        help=(
+            "On SIGTERM or SIGINT the worker moves its running answers back to the queue "
+            "with their tokens so far and exits within this (a second signal: at once)."
+        ),
     ),
     int_option(
         "--max-attempts",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from regen.common.queues import queued_chunks
 from regen.common.results import GeneratedResult
 from regen.producer.enqueue import Enqueuer
 from regen.producer.job_ids import JobIds
-from regen.producer.spec import JobOptions, prepare_job
+from regen.producer.spec import JobOptions, prepare_job, save_job
 from tests.helpers import job_ids, write_jsonl
 from tests.redis_server import running_redis
 from tests.sglang_standin.process import StandinHandle, run_standin
@@ -36,14 +37,24 @@ PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
 
 
 def enqueue_prompts(
-    url: str, tmp_path: Path, prompts: list[str], job: str = "g", **options: Any
+    url: str,
+    tmp_path: Path,
+    prompts: list[str],
+    job: str = "g",
+    sampling: dict[str, Any] | None = None,
+    **options: Any,
 ) -> jobspec.JobSpec:
+    """Job `job` of `prompts`, with `options` (JobOptions) and `sampling` parameters no
+    option sets (a penalty) over the job's."""
     path = write_jsonl(tmp_path / f"{job}.jsonl", [{"prompt": p} for p in prompts])
     options.setdefault("max_new_tokens", 48)
     options.setdefault("chunk_size", 4)
     prepared = prepare_job(JobOptions(job=job, model="smollm2", **options))
+    if sampling:
+        spec = dataclasses.replace(prepared.spec, sampling={**prepared.spec.sampling, **sampling})
+        prepared = dataclasses.replace(prepared, spec=spec)
     r = redis.Redis.from_url(url)
-    jobspec.save(r, prepared.spec)
+    save_job(r, prepared)  # the spec and provenance, as `regen enqueue` stores them
     Enqueuer(r, make_app(url), prepared, high_water=10_000).run([path])
     return prepared.spec
 

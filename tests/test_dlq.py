@@ -126,8 +126,9 @@ def test_reason_codes_are_the_strings_stored_in_redis(r: redis.Redis) -> None:
     ]  # fmt: skip
     assert [code.value for code in TokenizeReason] == [
         "aborted", "unknown_finish_reason", "count_mismatch", "stop_mismatch",
-        "text_mismatch", "truncated", "truncated_dropped", "unexpected_thinking",
-        "missing_thinking", "unclosed_thinking", "render_failed",
+        "end_inside_answer", "over_budget", "text_mismatch", "truncated",
+        "truncated_dropped", "unexpected_thinking", "missing_thinking",
+        "unclosed_thinking", "render_failed",
         "entry_without_result", "result_not_json", "result_not_an_object",
         "result_missing_fields", "result_wrong_type", "malformed_result",
     ]  # fmt: skip

@@ -11,14 +11,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from aiohttp import web
 
 from regen.common import jobspec
+from regen.common.answer_ends import misplaced_end, request_end_ids
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.consumers.generate.engine import GenerateRequest, GenerateResult
+from regen.common.samples import sample_id
+from regen.consumers.generate.engine import GenerateRequest, GenerateResult, server_rid
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_replies import Failure, parse_result
 from regen.consumers.generate.held_prompts import BEFORE_SEND_ON
@@ -66,12 +69,16 @@ def test_a_continuation_joins_the_answer_so_far_and_moves_the_counts_across() ->
     assert again.output_ids == [4, 5, 6, 7, 9] and again.resumed_tokens == 4
 
 
-def test_the_token_budgets_shrink_by_what_was_decoded() -> None:
-    job = {"max_new_tokens": 100, "min_new_tokens": 10, "temperature": 0.6}
+def test_the_token_budget_shrinks_by_what_was_decoded_and_never_below_one() -> None:
+    job = {"max_new_tokens": 100, "temperature": 0.6}
     assert continued_sampling(job, 0) == job
-    assert continued_sampling(job, 40) == {**job, "max_new_tokens": 60, "min_new_tokens": 0}
+    assert continued_sampling(job, 40) == {**job, "max_new_tokens": 60}
     assert continued_sampling(job, 99)["max_new_tokens"] == 1
     assert job["max_new_tokens"] == 100  # the job's own params are left alone
+    # An answer so far that spent its budget had ended: it is never continued (the old
+    # code asked for max(1, ...) tokens, one more than the budget).
+    with pytest.raises(ValueError, match="spent its budget"):
+        continued_sampling(job, 100)
 
 
 def test_a_prompt_travels_with_its_answer_so_far_and_plain_ones_as_before() -> None:
@@ -98,6 +105,43 @@ def test_only_an_abort_the_worker_asked_for_is_an_answer_so_far() -> None:
         parse_result(reply, request, "s", 0.0)
     so_far = parse_result(reply, request, "s", 0.0, handed_over=True)
     assert so_far.handed_over and so_far.output_ids == [4, 5]
+
+
+def test_an_asked_abort_without_output_ids_is_an_empty_answer_so_far_not_a_bad_server() -> None:
+    """SGLang 0.5.1 and 0.5.3 answer the abort of a queued request with no output_ids
+    ("Abort before prefill"); the old code took it for a malformed reply and marked the
+    server down."""
+    reply = (
+        b'{"text": "", "meta_info": {"id": "r", "finish_reason": {"type": "abort", '
+        b'"message": "Abort before prefill"}, "prompt_tokens": 0, "completion_tokens": 0}}'
+    )
+    request = GenerateRequest("r", [1, 2, 3], {"max_new_tokens": 10})
+    so_far = parse_result(reply, request, "s", 0.0, handed_over=True)
+    assert so_far.handed_over and so_far.output_ids == []
+    with pytest.raises(Failure, match="request aborted"):  # not asked for: as before
+        parse_result(reply.replace(b'"text"', b'"output_ids": [], "text"'), request, "s", 0.0)
+
+
+def test_no_rid_sent_is_a_prefix_of_another() -> None:
+    """SGLang aborts every request whose rid starts with the one named: the rids a
+    worker sends (chunk, prompt or sample, delivery attempt, retry) are prefix-free, so
+    an abort ends one request. Plain `C-P-1` was a prefix of `C-P-10` and `C-P-1~1`."""
+    chunk = Chunk.make_id("job", ["p"])
+    prompts = [
+        "0123456789abcdef",
+        sample_id("0123456789abcdef", 1),
+        sample_id("0123456789abcdef", 12),
+    ]
+    rids = [
+        server_rid(f"{chunk}-{prompt}-{attempt}", retry)
+        for prompt in prompts
+        for attempt in (1, 2, 10, 11, 123)
+        for retry in (0, 1, 2, 10, 12)
+    ]
+    assert len(set(rids)) == len(rids)
+    assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+    with pytest.raises(ValueError):
+        server_rid("c.1-p-1")
 
 
 async def sent_and_running(
@@ -175,12 +219,15 @@ def test_behind_sglangs_router_the_abort_goes_to_the_servers_it_routes_to(
         assert busy.stats()["moved_total"] + other.stats()["moved_total"] == 1
 
 
-def test_a_server_without_abort_that_is_no_router_is_asked_no_more(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A proxy that serves /generate alone: the engine says so once, asks that server no
-    more, and the answer runs to its end untouched."""
+def ask_a_fake_server_twice(
+    version: str | None, abort_status: int | None
+) -> tuple[bool, bool, GenerateResult, int]:
+    """One request running on a bare aiohttp server that reports SGLang `version` (None:
+    no info route) and answers /abort_request with `abort_status` (None: no such route);
+    the engine asked twice to hand it over. (the two answers, the request's result, how
+    many aborts reached the server)."""
     arrived, release = asyncio.Event(), asyncio.Event()
+    aborts = []
 
     async def generate(request: web.Request) -> web.Response:
         arrived.set()
@@ -189,10 +236,20 @@ def test_a_server_without_abort_that_is_no_router_is_asked_no_more(
                 "prompt_tokens": 4, "completion_tokens": 2}  # fmt: skip
         return web.json_response({"text": "ok", "output_ids": [7, 2], "meta_info": meta})
 
+    async def abort(request: web.Request) -> web.Response:
+        aborts.append(await request.read())
+        return web.Response(status=abort_status or 500)
+
     async def scenario() -> tuple[bool, bool, GenerateResult]:
         app = web.Application()
         app.router.add_post("/generate", generate)
         app.router.add_get("/health_generate", lambda request: web.Response())
+        if version is not None:
+            app.router.add_get(
+                "/server_info", lambda request: web.json_response({"version": version})
+            )
+        if abort_status is not None:
+            app.router.add_post("/abort_request", abort)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
@@ -208,11 +265,41 @@ def test_a_server_without_abort_that_is_no_router_is_asked_no_more(
         finally:
             await runner.cleanup()
 
+    first, second, answer = asyncio.run(scenario())
+    return first, second, answer, len(aborts)
+
+
+@pytest.mark.parametrize(
+    ("version", "abort_status", "said", "aborts"),
+    [
+        # A proxy that serves /generate alone.
+        ("0.5.6", None, "has no /abort_request", 0),
+        # SGLang 0.5.3 answers a queued request's abort with no output_ids; 0.4.6's
+        # /generate then hangs: neither is asked.
+        ("0.5.3", 200, "reports SGLang 0.5.3", 0),
+        ("0.4.6", 200, "reports SGLang 0.4.6", 0),
+        # A server that says no version (and is no router) is not trusted with it.
+        (None, 200, "reports SGLang no version", 0),
+        # SGLang 0.5.23 with --admin-api-key refuses the worker's key.
+        ("0.5.23", 401, "refuses /abort_request (HTTP 401", 1),
+    ],
+)
+def test_a_server_that_cannot_hand_over_is_asked_no_more_and_its_answer_runs_on(
+    caplog: pytest.LogCaptureFixture,
+    version: str | None,
+    abort_status: int | None,
+    said: str,
+    aborts: int,
+) -> None:
+    """The engine says why once, asks that server no more, and the answer runs to its
+    end untouched (the old code asked a 0.5.3 server, whose empty reply then marked it
+    down and re-ran the prompt from scratch)."""
     with caplog.at_level(logging.WARNING):
-        first, second, answer = asyncio.run(scenario())
+        first, second, answer, reached = ask_a_fake_server_twice(version, abort_status)
     assert not first and not second
     assert not answer.handed_over and answer.output_ids == [7, 2]
-    warned = [m for m in caplog.messages if "has no /abort_request" in m]
+    assert reached == aborts
+    warned = [m for m in caplog.messages if said in m]
     assert len(warned) == 1, caplog.messages
 
 
@@ -228,7 +315,12 @@ class Fleet:
 
 
 @contextmanager
-def slow_then_fast(tmp_path: Path, slow_env: dict[str, str] | None = None) -> Iterator[Fleet]:
+def slow_then_fast(
+    tmp_path: Path,
+    slow_env: dict[str, str] | None = None,
+    job_sampling: dict[str, Any] | None = None,
+    **slow_standin: Any,
+) -> Iterator[Fleet]:
     """A slow server's worker alone first, then a 40x faster one's; yields once the slow
     worker has measured its speed on 8 warm-up answers (the first two chunks, started
     together) and runs long answers (30 s each there, 0.75 s on the fast server), with
@@ -238,12 +330,15 @@ def slow_then_fast(tmp_path: Path, slow_env: dict[str, str] | None = None) -> It
     standin = {"answer_length_from_prompt": True, "continuations_dir": str(tmp_path / "cont")}
     with (
         running_redis(tmp_path / "redis") as redis_server,
-        run_standin(max_running_requests=8, decode_tokens_per_s=50, **standin) as slow,
+        run_standin(
+            max_running_requests=8, decode_tokens_per_s=50, **standin, **slow_standin
+        ) as slow,
         run_standin(max_running_requests=16, decode_tokens_per_s=2000, **standin) as fast,
     ):
         url = redis_server.url
         r = redis.Redis.from_url(url)
-        spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000)
+        spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000,
+                               sampling=job_sampling)  # fmt: skip
         common = ["--engine", "sglang", "--jobs", "g"]
         port = free_port()
         slow_args = [*common, "--max-inflight", "8", "--server", slow.url,
@@ -287,6 +382,47 @@ def test_a_slow_worker_hands_its_running_answers_to_a_faster_one(tmp_path: Path)
             assert fleet.fast.generate(body).json()["output_ids"] == x.output_ids
         report = reconcile(fleet.r, fleet.spec, None, read_shards=False)
         assert report.places["in_flight"] == len(got) and not report.problem_counts
+
+
+@pytest.mark.slow
+def test_an_abort_on_an_answers_last_step_ends_it_and_every_record_is_one_answer(
+    tmp_path: Path,
+) -> None:
+    """The slow server lands half its aborts on an answer's last step, three tokens a
+    step (speculative decoding): the reply carries the end of turn, and tokens past it,
+    with finish "abort". The worker settles those answers as ended instead of moving
+    them: every prompt once, no answer with an end token before its last or more than
+    its budget, each one what a server gives it whole. The old code resumed past the
+    end: an end of turn inside the answer, then more."""
+    with slow_then_fast(tmp_path, abort_on_last_step=0.5, tokens_per_step=3) as fleet:
+        wait_for(lambda: all_generated(fleet.r, fleet.spec), timeout=240, what="the job")
+        got = results(fleet.r, "g")
+        assert sorted(x.id for x in got) == sorted(enqueued_ids(fleet.r, "g"))
+        slow = fleet.slow.stats()
+        assert slow["moved_at_end_total"] >= 1, slow
+        ends = request_end_ids(fleet.spec.end_token_ids, fleet.spec.sampling)
+        assert ends, "the job spec names its end tokens"
+        budget = fleet.spec.sampling["max_new_tokens"]
+        for x in got:
+            assert misplaced_end(x.output_ids, ends) is None, x.id
+            assert len(x.output_ids) <= budget and x.output_ids[-1] in ends
+            body = {"input_ids": x.prompt_ids, "sampling_params": x.sampling, "rid": f"{x.id}-x"}
+            assert fleet.fast.generate(body).json()["output_ids"] == x.output_ids
+
+
+@pytest.mark.slow
+def test_a_job_with_a_penalty_hands_nothing_over(tmp_path: Path) -> None:
+    """frequency_penalty counts the tokens a request decoded, which a continuation would
+    not carry: the slow worker still leaves the job's end to the fast one, but its
+    running answers end where they are. Nothing moved, every prompt once."""
+    with slow_then_fast(tmp_path, job_sampling={"frequency_penalty": 0.3}) as fleet:
+        wait_for(lambda: all_generated(fleet.r, fleet.spec), timeout=240, what="the job")
+        got = results(fleet.r, "g")
+        assert sorted(x.id for x in got) == sorted(enqueued_ids(fleet.r, "g"))
+        assert not any(x.resumed_tokens for x in got)
+        slow = fleet.slow.stats()
+        assert slow["moved_total"] == 0 and slow["moved_waiting_total"] == 0, slow
+        assert "not handed over to faster servers: frequency_penalty" in fleet.slow_worker.log()
 
 
 @pytest.mark.slow

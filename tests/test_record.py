@@ -227,8 +227,10 @@ def test_an_answer_that_ends_in_a_loop_is_flagged(kimi_tokenizer: Any) -> None:
     ctx = make_ctx(kimi_tokenizer, on_truncated="keep")
     loop = ids(kimi_tokenizer, " and then we check it again") * 20
     output = ids(kimi_tokenizer, "Let me think.", THINK_END, "So") + loop
-    record = build_record(make_result(ctx, output, finish={"type": "length"}), ctx)
-    assert record["flags"] == ["truncated", "repetition"]
+    # A budget the loop fills: a record never holds more answer tokens than its budget.
+    budget = {**ctx.spec.sampling, "max_new_tokens": len(output)}
+    result = make_result(ctx, output, finish={"type": "length"}, sampling=budget)
+    assert build_record(result, ctx)["flags"] == ["truncated", "repetition"]
     # The same words said twice are no loop.
     twice = ids(kimi_tokenizer, "Let me think.", THINK_END, "So") + loop[: 2 * len(loop) // 20]
     assert build_record(make_result(ctx, [*twice, IM_END]), ctx)["flags"] == []

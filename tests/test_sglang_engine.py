@@ -24,6 +24,7 @@ from regen.consumers.generate.engine import (
     GenerateRequest,
     GenerateResult,
     PromptRejected,
+    server_rid,
 )
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from tests.sglang_standin import StandinHandle, run_standin, start_standin
@@ -250,7 +251,7 @@ def test_results_equal_the_servers_output_exactly(server: StandinHandle, tokeniz
     for req, result in zip(reqs, results, strict=True):
         assert_matches(result, expected(server, req), tokenizer)
         assert result.server == server.url and result.prompt_tokens == len(req.prompt_ids)
-        assert result.meta["id"] == req.rid  # sent with the caller's rid on a first attempt
+        assert result.meta["id"] == server_rid(req.rid)  # the caller's rid, on a first try
     assert {r.finish_reason["type"] for r in results} == {"stop", "length"}
 
 
@@ -320,7 +321,7 @@ def test_duplicate_rid_still_running_is_retried_with_a_new_rid(server: StandinHa
             return await first, second, e.stats()
 
     first, second, stats = asyncio.run(run())
-    assert first.meta["id"] == "dup" and second.meta["id"] == "dup~1"
+    assert first.meta["id"] == "dup." and second.meta["id"] == "dup~1."
     assert stats["servers"][0]["failures_by_kind"] == {"duplicate_rid": 1}
     assert server.stats()["status_400"] == before.get("status_400", 0) + 1
 

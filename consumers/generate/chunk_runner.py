@@ -209,11 +209,16 @@ def _generate_all(
                 raise LeaseLost("another delivery holds the chunk")
             completed: list[tuple[ChunkPrompt, GenerateResult]] = []
             handed: list[tuple[ChunkPrompt, GenerateResult]] = []
+            stopped: list[ChunkPrompt] = []
             for outcome in finished:
                 prompt = held.started[outcome.index]
                 if isinstance(outcome.error, PromptRejected):
                     _reject(ctx, lease, chunk, prompt, outcome.error)
                     rejected += 1
+                elif isinstance(outcome.error, asyncio.CancelledError) and held.stopped(
+                    outcome.index
+                ):
+                    stopped.append(prompt)  # by the delivery itself, to start elsewhere
                 elif isinstance(outcome.error, asyncio.CancelledError):
                     # Not by this delivery (a lost lease is caught above): the engine's
                     # loop is going away. Not the chunk's fault: it goes back.
@@ -225,6 +230,7 @@ def _generate_all(
                     (handed if result.handed_over else completed).append((prompt, result))
             _hand_off(ctx, lease, chunk, completed, sampling)
             held.send_on(handed)
+            held.send_back_stopped(stopped)
             generated += len(completed)
     except BaseException:
         # Leaving early (shutdown, lost lease, Redis out of reach, a prompt given back):

@@ -8,10 +8,11 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
-from regen.common import defaults, jobspec, tokenizer_refusals
+from regen.common import defaults, jobspec, provenance, tokenizer_refusals
 from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
@@ -61,10 +62,19 @@ class ChunkContext:
     # When a delivery last gave prompts back (time.monotonic()): flow control keeps no
     # slack a moment after, for the peers to take them (flow_control.HOLD_OFF_S).
     gave_back_at: float = float("-inf")
+    # Set when the worker drains (SIGTERM, drain.py): every delivery moves its running
+    # answers back to the queue and starts nothing more.
+    draining: threading.Event = field(default_factory=threading.Event)
+    # A job's pause as the worker last read it (job_pause.py): None, or PAUSED / NOW.
+    pause: Callable[[str], str | None] = lambda job: None
+    # Running answers stopped and given back from scratch (a drain or pause, where the
+    # answer could not move with its tokens so far): their decode is thrown away.
+    restarted: RateMeter = field(default_factory=RateMeter)
     # Called when the worker's slots fall idle with nothing waiting here, so that the
     # others learn it within a second, not at the next regular heartbeat (peers.py).
     on_idle_slots: Callable[[], None] = lambda: None
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
+    _model_sampling: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     _chats: dict[str, JobChat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _chat_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,6 +122,17 @@ class ChunkContext:
         if job not in self._specs:
             self._specs[job] = jobspec.load(self.redis, job)
         return self._specs[job]
+
+    def model_sampling(self, job: str) -> dict[str, Any] | None:
+        """The sampling defaults the job's model sets in its generation_config.json,
+        which the server applies where the job leaves a parameter unset (from the
+        job's provenance); None where the job has none to say."""
+        if job not in self._model_sampling:
+            made_by = provenance.load(self.redis, job)
+            self._model_sampling[job] = (
+                None if made_by is None else made_by.get("model_sampling_defaults", {})
+            )
+        return self._model_sampling[job]
 
     def chat(self, job: str) -> JobChat:
         """The job's tokenizer and template, loaded on first use (`--turns all` jobs)."""

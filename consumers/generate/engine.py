@@ -30,6 +30,23 @@ class GenerateRequest:
     next_turn: bool = False
 
 
+# Ends every rid sent to a server, and appears nowhere else in one (chunk and prompt ids
+# are hex, attempts and retries digits), so that no rid sent is a prefix of another.
+RID_END = "."
+
+
+def server_rid(rid: str, retry: int = 0) -> str:
+    """The rid a server is sent for a request's `retry`-th try (each try its own: a
+    server may still run an earlier one, and SGLang refuses a duplicate rid).
+
+    SGLang's `/abort_request` ends every request whose rid *starts with* the one named
+    (`Scheduler.abort_request`), so a plain `C-P-1` would also end `C-P-10` and `C-P-1~1`.
+    Ending each rid in a character none holds elsewhere makes the rids prefix-free."""
+    if RID_END in rid:
+        raise ValueError(f"a request rid may not hold {RID_END!r}: {rid!r}")
+    return f"{rid}{RID_END}" if retry == 0 else f"{rid}~{retry}{RID_END}"
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     output_ids: list[int]

@@ -43,12 +43,17 @@ class Batch(Generic[T]):
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._tasks: list[asyncio.Task[T]] = []
+        self._tasks: dict[int, asyncio.Task[T]] = {}
         self.finished: queue.SimpleQueue[Outcome[T]] = queue.SimpleQueue()
 
     def cancel(self) -> None:
         """Cancel those still running (from any thread); each reports CancelledError."""
         self._loop.call_soon_threadsafe(self._cancel)
+
+    def cancel_one(self, index: int) -> None:
+        """Cancel the coroutine of outcome `index` (from any thread); it reports
+        CancelledError unless it ended first."""
+        self._loop.call_soon_threadsafe(self._cancel, index)
 
     def extend(self, coros: list[Coroutine[Any, Any, T]], first_index: int) -> None:
         """Start more coroutines in the batch (from any thread), their outcomes indexed
@@ -60,7 +65,7 @@ class Batch(Generic[T]):
         for index, coro in enumerate(coros, start=first_index):
             task = self._loop.create_task(coro)
             task.add_done_callback(functools.partial(self._report, index))
-            self._tasks.append(task)
+            self._tasks[index] = task
 
     def _report(self, index: int, task: asyncio.Task[T]) -> None:
         if task.cancelled():
@@ -70,8 +75,9 @@ class Batch(Generic[T]):
         else:
             self.finished.put(Outcome(index, task.result(), None))
 
-    def _cancel(self) -> None:
-        for task in self._tasks:
+    def _cancel(self, index: int | None = None) -> None:
+        tasks = self._tasks.values() if index is None else [self._tasks[index]]
+        for task in tasks:
             task.cancel()
 
 

@@ -16,13 +16,15 @@ server's last answers move"; resume.py).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
 from typing import Any
 
-from regen.common import crashpoints
+from regen.common import crashpoints, job_pause, provenance
+from regen.common.answer_ends import request_end_ids
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.consumers.generate.chunk_life import (
     ChunkLease,
@@ -33,7 +35,7 @@ from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engine_loop import Batch
 from regen.consumers.generate.flow_control import slack
-from regen.consumers.generate.resume import continued_sampling, resumed
+from regen.consumers.generate.resume import continued_sampling, settled, why_not_movable
 from regen.consumers.generate.stand_down import FASTER
 
 log = logging.getLogger("regen.generate")
@@ -47,9 +49,25 @@ WAITING_CHECK_S = 0.2
 HAND_OVER_CHECK_S = 1.0
 # The server queues an abort and answers at once; this only bounds a server gone wrong.
 HAND_OVER_TIMEOUT_S = 15.0
+# Why a worker that left a job's end to faster servers gives its prompts back.
+LEFT_TO_FASTER = "faster servers finish the job's last prompts"
 # Crash point (common/crashpoints.py): answers handed over, their answers so far only in
 # this worker's memory.
 BEFORE_SEND_ON = "generate.before_send_on"
+
+
+_said: set[tuple[str, str]] = set()
+
+
+def _say_once(job: str, message: str) -> None:
+    """Log `message` once per job and process: a delivery asks each second."""
+    if (job, message) not in _said:
+        _said.add((job, message))
+        log.info("%s", message)
+
+
+async def _all(asks: list[Coroutine[Any, Any, bool]]) -> list[bool]:
+    return list(await asyncio.gather(*asks))
 
 
 class HeldPrompts:
@@ -69,20 +87,28 @@ class HeldPrompts:
         self._lease = lease
         self._chunk = chunk
         self._sampling = sampling
-        self._queue = ctx.spec(chunk.job).queue
+        spec = ctx.spec(chunk.job)
+        self._queue = spec.queue
+        # Where an answer ends (an abort on its last step is settled as ended, resume.py)
+        # and whether its running answers may move to another server at all.
+        self._ends = request_end_ids(spec.end_token_ids, sampling)
+        self._budget = int(sampling["max_new_tokens"])
+        self._stays = self._why_answers_stay(spec.end_token_ids)
         self.started: list[ChunkPrompt] = []
         self.running = 0
         self.waiting = list(todo)
         ctx.count_waiting(len(todo))
-        # The running prompts' outcome indices (indices are given in start order), and
-        # those asked to hand their answer over.
+        # The running prompts' outcome indices (indices are given in start order), those
+        # asked to hand their answer over, and those stopped to start again elsewhere
+        # from scratch (a drain or pause where the answer cannot move).
         self._running_indices: set[int] = set()
         self._handing_over: set[int] = set()
+        self._stopped: set[int] = set()
 
     def start_first(self) -> Batch[GenerateResult]:
         """Start what the worker has free slots for, at least one prompt, unless the
-        worker leaves the job's last prompts to faster servers (then none)."""
-        count = 0 if self._leaving() else self._ctx.reserve(len(self.waiting))
+        worker starts none of the job's prompts now (_why_start_none)."""
+        count = 0 if self._why_start_none() else self._ctx.reserve(len(self.waiting))
         prompts = self._take(count)
         if self.waiting:
             log.info("chunk %s: starts %d prompts, holds %d until slots free",
@@ -95,13 +121,19 @@ class HeldPrompts:
 
     def start_or_give_back(self, batch: Batch[GenerateResult]) -> None:
         """Start waiting prompts the worker has free slots for now; give as many of the
-        rest back as other workers have idle slots; all of them when the worker leaves
-        the job's last prompts to faster servers, and then hands running answers over to
-        faster peers' idle slots. Raises LeaseLost (nothing given back)."""
-        if self._leaving():
+        rest back as other workers have idle slots. All of them when the worker starts
+        none of the job's prompts now: then its running answers move too, all of them
+        when it drains or the job is paused with --now, else as many as faster peers
+        have idle slots when it leaves the job's end to them. Raises LeaseLost (nothing
+        given back)."""
+        why = self._why_start_none()
+        if why is not None:
             if self.waiting:
-                self._send_back(len(self.waiting), "faster servers finish the job's last prompts")
-            self._hand_over_running()
+                self._send_back(len(self.waiting), why)
+            if self._moves_everything():
+                self._move_running(batch)
+            elif why == LEFT_TO_FASTER:
+                self._hand_over_running()
             return
         if not self.waiting:
             return
@@ -134,9 +166,10 @@ class HeldPrompts:
         """How long to wait for an outcome before looking again (None: until one)."""
         if self.waiting:
             return WAITING_CHECK_S
-        if len(self._running_indices) > len(self._handing_over) and self._ctx.messages is not None:
-            # The worker may leave the job's end while these run (minutes at real
-            # lengths): a look a second, which costs nothing until it leaves.
+        unasked = self._running_indices - self._handing_over - self._stopped
+        if unasked and self._ctx.messages is not None:
+            # The worker may leave the job's end, drain, or the job be paused, while these
+            # run (minutes at real lengths): a look a second, which costs nothing until.
             return HAND_OVER_CHECK_S
         return None
 
@@ -148,7 +181,7 @@ class HeldPrompts:
         if not handed:
             return
         messages = self._ctx.messages
-        if messages is None:  # never asked for by a bare context (_leaving): not dropped
+        if messages is None:  # never asked for by a bare context (_why_start_none): not dropped
             raise RuntimeError("an answer was handed over where no chunk can carry it on")
         prompts = [
             dataclasses.replace(prompt, resume_ids=list(result.output_ids) or None)
@@ -172,10 +205,74 @@ class HeldPrompts:
             ",".join(p.id for p in prompts),
         )
 
-    def _leaving(self) -> bool:
-        """The worker leaves the job's last prompts to faster servers, and can give
-        prompts back (a worker always can; a bare context cannot, and starts them)."""
-        return self._ctx.messages is not None and self._ctx.leaving(self._queue)
+    def stopped(self, index: int) -> bool:
+        """Whether outcome `index` was stopped here to start again elsewhere (its
+        CancelledError is then no failure: send_back_stopped gives it back)."""
+        return index in self._stopped
+
+    def send_back_stopped(self, prompts: list[ChunkPrompt]) -> None:
+        """Give prompts whose answers were stopped back to the queue as they came (a
+        continued one keeps the answer it came with): what this server decoded of them
+        is thrown away. Raises LeaseLost."""
+        if not prompts:
+            return
+        messages = self._ctx.messages
+        if messages is None:  # never stopped by a bare context (_why_start_none)
+            raise RuntimeError("an answer was stopped where no chunk can carry it on")
+        chunks = give_back_unstarted(self._ctx.redis, messages, self._queue, self._lease,
+                                     self._chunk, prompts)  # fmt: skip
+        self._ctx.restarted.add(len(prompts))
+        log.warning(
+            "chunk %s: stopped %d running answers that could not move with their tokens so "
+            "far (%s); they start again elsewhere, in %d chunks: %s",
+            self._chunk.chunk_id,
+            len(prompts),
+            self._stays or "the server did not hand them over",
+            chunks,
+            ",".join(p.id for p in prompts),
+        )
+
+    def _why_start_none(self) -> str | None:
+        """Why the delivery starts none of its prompts now and gives them back, or None.
+        Only where it can give prompts back (a worker always can; a bare context
+        cannot, and starts them)."""
+        ctx = self._ctx
+        if ctx.messages is None:
+            return None
+        if ctx.draining.is_set():
+            return "the worker drains"
+        if ctx.pause(self._chunk.job) is not None:
+            return "the job is paused"
+        return LEFT_TO_FASTER if ctx.leaving(self._queue) else None
+
+    def _moves_everything(self) -> bool:
+        """Whether every running answer leaves now: the worker drains, or the job is
+        paused with --now."""
+        ctx = self._ctx
+        return ctx.draining.is_set() or ctx.pause(self._chunk.job) == job_pause.NOW
+
+    def _move_running(self, batch: Batch[GenerateResult]) -> None:
+        """Move every running answer back to the queue: with its tokens so far where the
+        engine hands it over (send_on), else stopped and given back to start again
+        (send_back_stopped). The aborts go out together: a drain has seconds."""
+        ctx = self._ctx
+        indices = sorted(self._running_indices - self._handing_over - self._stopped)
+        if not indices:
+            return
+        handed: list[bool] = [False] * len(indices)
+        if self._stays is None:
+            asks = [ctx.runner.engine.hand_over(self._rid(self.started[i])) for i in indices]
+            try:
+                handed = ctx.runner.call(_all(asks), HAND_OVER_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("chunk %s: no answer to handing answers over; stopping them",
+                            self._chunk.chunk_id)  # fmt: skip
+        for index, ok in zip(indices, handed, strict=True):
+            if ok:
+                self._handing_over.add(index)
+            else:
+                self._stopped.add(index)
+                batch.cancel_one(index)
 
     def _take(self, count: int) -> list[ChunkPrompt]:
         prompts, self.waiting = self.waiting[:count], self.waiting[count:]
@@ -183,6 +280,18 @@ class HeldPrompts:
         self.started += prompts
         self.running += count
         return prompts
+
+    def _why_answers_stay(self, end_token_ids: list[int]) -> str | None:
+        """Why this delivery's running answers may not move to another server, or None
+        (docs/design.md, "What may move"): a continuation must draw what one server
+        would have, and must know where an answer ends."""
+        if not end_token_ids and not self._sampling.get("ignore_eos"):
+            return ("its spec does not say which tokens end an answer (made by an older "
+                    "regen: `regen enqueue` into the job again fills them in)")  # fmt: skip
+        model = self._ctx.model_sampling(self._chunk.job)
+        if model is None:
+            return "it has no provenance, so the model's own sampling defaults are unknown"
+        return why_not_movable(provenance.effective_sampling(self._sampling, model))
 
     def _rid(self, prompt: ChunkPrompt) -> str:
         return f"{self._chunk.chunk_id}-{prompt.id}-{self._lease.attempt}"
@@ -195,18 +304,22 @@ class HeldPrompts:
             sampling=continued_sampling(self._sampling, len(resume)),
         )
         answer = generate_with_retry(self._ctx.runner, request)
-        return resumed(answer, resume) if resume else answer
+        return settled(answer, resume, self._ends, self._budget)
 
     def _hand_over_running(self) -> None:
         """Ask the engine to hand over as many running answers, oldest first, as faster
         peers have idle slots: the oldest has decoded the most, and with long-tailed
         lengths has the most left to decode. Each comes back as an outcome marked
-        handed over (send_on). Not with stop strings: one could straddle the cut, and
-        the server continuing the answer would not see it."""
+        handed over (send_on). None where answers may not move (_why_answers_stay):
+        they run to their end here."""
         ctx = self._ctx
         candidates = sorted(self._running_indices - self._handing_over)
         my_tps = ctx.answers.decode_tps()
-        if not candidates or ctx.peers is None or my_tps is None or self._sampling.get("stop"):
+        if not candidates or ctx.peers is None or my_tps is None:
+            return
+        if self._stays is not None:
+            _say_once(self._chunk.job, f"job {self._chunk.job}: running answers are not handed "
+                      f"over to faster servers: {self._stays}")  # fmt: skip
             return
         count = ctx.peers.claim(self._queue, len(candidates), faster_than=my_tps * FASTER)
         for index in candidates[:count]:  # started in index order: the oldest first

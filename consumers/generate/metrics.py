@@ -41,6 +41,10 @@ class GenerateCollector(Collector):
             ("regen_generate_handed_over_tokens",
              "Output tokens the answers handed over had decoded here (kept, not lost).",
              ctx.handed_over_tokens),
+            ("regen_generate_restarted_answers",
+             "Running answers this worker stopped and gave back to start again, their decode "
+             "thrown away (a drain or pause where an answer could not move).",
+             ctx.restarted),
         )  # fmt: skip
         for name, documentation, meter in counters:
             yield CounterMetricFamily(name, documentation, value=meter.total)

@@ -18,13 +18,14 @@ from typing import Any
 
 from celery import Celery, bootsteps, signals
 
-from regen.common import connection, defaults, gc_tuning, jobspec, settings
+from regen.common import connection, defaults, gc_tuning, job_pause, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import kombu_screen
 from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
 from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.drain import Drain, stop_celery_worker
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.flow_control import keeps_slack, make_flow_control, slack
@@ -57,6 +58,8 @@ class WorkerOptions:
     loglevel: str = defaults.LOGLEVEL
     # Serve Prometheus metrics on this port; None: no metrics endpoint.
     metrics_port: int | None = None
+    # Longest from the first SIGTERM to the exit (drain.py).
+    drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
 
 
 class QueueState:
@@ -69,14 +72,32 @@ class QueueState:
         # server must not take a chunk and sit on it until the give-back.
         self.healthy = False
         self.checked = False
+        # Paused jobs with their mode, and their queues (`regen pause`: job_pause.py).
+        self._paused: dict[str, str] = {}
+        self._paused_queues: set[str] = set()
 
     def set_queues(self, queues: set[str]) -> None:
         with self._lock:
             self._queues = set(queues)
 
-    def wanted(self) -> set[str]:
+    def set_paused(self, paused: dict[str, str], queues: set[str]) -> None:
         with self._lock:
-            return set(self._queues) if self.healthy else set()
+            self._paused, self._paused_queues = dict(paused), set(queues)
+
+    def pause(self, job: str) -> str | None:
+        """The job's pause as last read (job_pause.PAUSED or NOW), or None."""
+        with self._lock:
+            return self._paused.get(job)
+
+    def paused(self) -> list[str]:
+        with self._lock:
+            return sorted(self._paused)
+
+    def wanted(self) -> set[str]:
+        """The queues to consume: none while the engine is unhealthy, and never a paused
+        job's (a queue several jobs share stops while any of them is paused)."""
+        with self._lock:
+            return self._queues - self._paused_queues if self.healthy else set()
 
 
 def make_queue_gate(consumed: Callable[[], set[str]]) -> type[bootsteps.StartStopStep]:
@@ -95,8 +116,8 @@ def make_queue_gate(consumed: Callable[[], set[str]]) -> type[bootsteps.StartSto
                 log.info("consuming %s", queue)
                 consumer.add_task_queue(queue)
             for queue in sorted(active - wanted):
-                log.warning("not consuming %s (engine unhealthy, job gone, or its end left "
-                            "to faster servers)", queue)  # fmt: skip
+                log.warning("not consuming %s (engine unhealthy, job gone or paused, or its "
+                            "end left to faster servers)", queue)  # fmt: skip
                 consumer.cancel_task_queue(queue)
 
     return QueueGate
@@ -152,6 +173,19 @@ class Watcher(threading.Thread):
         state.healthy, state.checked = healthy, True
         if self._discovers:
             self._state.set_queues(discover_queues(self._ctx, self._options))
+        self._read_pauses()
+
+    def _read_pauses(self) -> None:
+        ctx = self._ctx
+        paused = job_pause.paused_now(ctx.redis)
+        before = set(self._state.paused())
+        for job in sorted(set(paused) - before):
+            log.warning("job %s is paused%s: taking none of its prompts", job,
+                        " (now: its running answers go back to the queue)"
+                        if paused[job] == job_pause.NOW else "")  # fmt: skip
+        for job in sorted(before - set(paused)):
+            log.info("job %s is resumed", job)
+        self._state.set_paused(paused, {ctx.spec(job).queue for job in paused})
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -197,6 +231,10 @@ def run_worker(options: WorkerOptions) -> None:
     state = QueueState(queues)
     if not queues:
         state.set_queues(discover_queues(ctx, options))
+    ctx.pause = state.pause
+    drain = Drain(ctx.draining, options.drain_timeout_s, lambda: _holds_nothing(ctx),
+                  stop_celery_worker)  # fmt: skip
+    signals.worker_ready.connect(drain.install, weak=False)
     # Threads bound the chunks held (they only wait on the engine, so they are cheap);
     # flow control sets how many are held within that, starting from two.
     concurrency = options.concurrency or defaults.MAX_CHUNKS_HELD
@@ -219,6 +257,8 @@ def run_worker(options: WorkerOptions) -> None:
     ctx.leaving = stand_down.leaves
 
     def consumed() -> set[str]:
+        if ctx.draining.is_set():
+            return set()  # the drain takes no more chunks (drain.py)
         return state.wanted() - stand_down.left()
 
     app.steps["consumer"].add(make_queue_gate(consumed))
@@ -284,6 +324,8 @@ def run_worker(options: WorkerOptions) -> None:
             ],
         )
     finally:
+        drain.exited()
+        signals.worker_ready.disconnect(drain.install)
         watcher.stop()
         stand_down.stop()
         idle_beat.stop()
@@ -320,6 +362,13 @@ def run_celery_worker(app: Celery, argv: list[str]) -> int:
     return int(workers[0].exitcode or 0)
 
 
+def _holds_nothing(ctx: ChunkContext) -> bool:
+    """No delivery runs and Celery holds no chunk for one to start (a drain's end)."""
+    from celery.worker import state as celery_state
+
+    return ctx.chunks_held == 0 and not celery_state.reserved_requests
+
+
 def idle_slots(ctx: ChunkContext, state: QueueState) -> int:
     """Slots no prompt held here will fill (none while the engine is unhealthy)."""
     if not state.healthy:
@@ -352,6 +401,8 @@ def _snapshot(
         "kind": "generate",
         "engine": options.engine,
         "healthy": state.healthy,
+        "draining": ctx.draining.is_set(),
+        "paused_jobs": state.paused(),
         # Without the queues it leaves to faster servers: no peer gives prompts back
         # for its idle slots there. `regen status` counts it apart on those.
         "queues": sorted(state.wanted() - stand_down.left()),

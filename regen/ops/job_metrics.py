@@ -177,6 +177,11 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
         "Free bytes on the disk the job's shards are written to; absent when unknown.",
         labels=job,
     )
+    paused = GaugeMetricFamily(
+        "regen_job_paused",
+        "1 while the job is paused (`regen pause`): no worker takes its prompts.",
+        labels=job,
+    )
     workers = GaugeMetricFamily(
         "regen_job_workers",
         "Live workers serving the job: generate ones consuming its queue, tokenize ones "
@@ -212,8 +217,9 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
             free.add_metric([name], status["shards"]["free_bytes"])
         for kind, count in status["workers"].items():
             workers.add_metric([name, kind], count)
+        paused.add_metric([name], int(status["paused"]))
     yield from (enqueued, places, unplaced, chunks, committed, tokens, flagged, eta, dead, other)
-    yield from (shards, shard_bytes, remaining, free, workers)
+    yield from (shards, shard_bytes, remaining, free, workers, paused)
 
 
 def _worker_metrics(beats: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -14,7 +14,15 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, jobspec, keys, provenance, settings, tokenizer_refusals
+from regen.common import (
+    defaults,
+    job_pause,
+    jobspec,
+    keys,
+    provenance,
+    settings,
+    tokenizer_refusals,
+)
 from regen.common.jobspec import JobSpec
 from regen.consumers.tokenize.operator_view import (
     CommitLedger,
@@ -98,10 +106,14 @@ def job_status(
     left = [w for w in live if spec.queue in w.get("left_to_faster", [])]
     tokenizers = [w for w in live if w.get("kind") == "tokenize" and job in w.get("jobs", {})]
     flags = []
+    paused = r.get(keys.job_paused(job))
+    if paused is not None:
+        flags.append(f"paused{' --now' if paused == job_pause.NOW.encode() else ''}: no worker "
+                     f"takes its prompts until `regen resume {job}`")  # fmt: skip
     behind = _behind_disk(ledger, job, output, live)
     if behind:
         flags.append(behind)
-    if counts.waiting_chunks and not generators:
+    if counts.waiting_chunks and not generators and paused is None:
         flags.append(
             f"{counts.waiting_chunks} chunk(s) wait on {spec.queue} but no live generate "
             "worker consumes it"
@@ -155,7 +167,8 @@ def job_status(
             "prompts_per_s": rates[0] if rates else None,
             "output_tokens_per_s": rates[1] if rates else None,
         },
-        "eta_s": eta,
+        "eta_s": None if paused is not None else eta,
+        "paused": paused is not None,
         "shards": {
             "count": totals.shards, "bytes": totals.shard_bytes, "dir": output.get("dir"),
             "host": output.get("host"), "free_bytes": free,

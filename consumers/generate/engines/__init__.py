@@ -35,6 +35,10 @@ class EngineOptions:
     tp_size: int = defaults.TP_SIZE
     # More `sglang.Engine` arguments (SGLang's ServerArgs fields), engine "sglang-engine".
     sglang_args: dict[str, Any] = field(default_factory=dict)
+    # SGLang's --api-key and --admin-api-key (engine "sglang"): the admin key is what
+    # /abort_request takes where a server has one (docs/design.md, "What may move").
+    sglang_api_key: str | None = field(default=None, repr=False)
+    sglang_admin_api_key: str | None = field(default=None, repr=False)
 
 
 # The extra each built-in in-process engine needs (pyproject.toml).
@@ -63,6 +67,8 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
             max_inflight_per_server=_fixed(options, defaults.MAX_INFLIGHT_PER_SERVER),
             admission=AdmissionPolicy(cap=options.max_inflight_cap) if auto else None,
             request_timeout_s=options.request_timeout_s,
+            api_key=options.sglang_api_key,
+            admin_api_key=options.sglang_admin_api_key,
         )
     if options.max_inflight == AUTO:
         raise ValueError("--max-inflight auto needs --engine sglang (it reads servers' /metrics)")

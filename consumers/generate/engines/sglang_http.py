@@ -24,6 +24,7 @@ from regen.consumers.generate.engine import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
+    server_rid,
 )
 from regen.consumers.generate.engines.admission_policy import (
     AdmissionPolicy,
@@ -31,7 +32,7 @@ from regen.consumers.generate.engines.admission_policy import (
     parse_metrics,
 )
 from regen.consumers.generate.engines.sglang_admission import AdmissionPoller
-from regen.consumers.generate.engines.sglang_handover import HandOvers
+from regen.consumers.generate.engines.sglang_handover import HandOvers, server_version
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import (
     Failure,
@@ -51,9 +52,6 @@ CONNECT_TIMEOUT_S = 10.0
 HEALTH_INTERVAL_S = 10.0
 # /health_generate answers within SGLang's 20 s HEALTH_CHECK_TIMEOUT, even when wedged.
 HEALTH_TIMEOUT_S = 30.0
-# Where a server tells its SGLang version: /server_info, or its older name, which
-# SGLang's router serves.
-SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 10.0
 MAX_BAD_ANSWERS = 5
@@ -93,6 +91,7 @@ class SGLangHTTPEngine:
         max_bad_answers: int = MAX_BAD_ANSWERS,
         give_up_after_s: float | None = None,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         """`health_path`: /health_generate, because since SGLang 0.5 /health answers 200
         without asking the scheduler, so a wedged server passes it; /health_generate runs
@@ -108,6 +107,9 @@ class SGLangHTTPEngine:
 
         `admission`: `--max-inflight auto`, each server's limit steered by its /metrics
         (sglang_admission); None keeps `max_inflight_per_server` fixed.
+
+        `api_key`, `admin_api_key`: SGLang's `--api-key` and `--admin-api-key`; the
+        admin key, where a server has one, is what its `/abort_request` takes.
         """
         self._pool = ServerPool(
             servers,
@@ -137,6 +139,8 @@ class SGLangHTTPEngine:
         self._auth_headers = {
             s: {"Authorization": s.auth.encode()} if s.auth else bearer for s in self._pool.servers
         }
+        admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
+        self._abort_headers = {s: admin or self._auth_headers[s] for s in self._pool.servers}
         self._http: aiohttp.ClientSession | None = None
         self._hand_overs = HandOvers()
         self._admission = (
@@ -181,9 +185,7 @@ class SGLangHTTPEngine:
                 raise EngineDown(
                     f"no SGLang server healthy for {outage_s:.0f} s ({self._describe()})"
                 ) from None
-            # Each retry gets its own rid: the server may still be running (or only
-            # now aborting) the previous attempt, and SGLang refuses a duplicate rid.
-            rid = request.rid if failures == 0 else f"{request.rid}~{failures}"
+            rid = server_rid(request.rid, failures)
             self._hand_overs.started(request.rid, server, rid)
             try:
                 result = await self._attempt(server, request, rid)
@@ -232,7 +234,7 @@ class SGLangHTTPEngine:
     async def hand_over(self, rid: str) -> bool:
         """Abort `rid` where it runs, its generate() returning the answer so far
         (sglang_handover.py)."""
-        return await self._hand_overs.ask(self._session(), rid, self._auth_headers)
+        return await self._hand_overs.ask(self._session(), rid, self._abort_headers)
 
     def servers(self) -> list[ServerState]:
         return list(self._pool.servers)
@@ -345,25 +347,7 @@ class SGLangHTTPEngine:
         return healthy
 
     async def _server_version(self, server: ServerState) -> str | None:
-        """SGLang's version from the server's info: /server_info, or /get_server_info
-        (its older name, which SGLang's router serves); None where neither says."""
-        for path in SERVER_INFO_PATHS:
-            try:
-                async with self._session().get(
-                    server.url + path,
-                    headers=self._auth_headers[server],
-                    timeout=self._health_timeout,
-                ) as response:
-                    body = await response.read()
-                    if response.status != 200:
-                        continue
-                info = orjson.loads(body)
-            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
-                continue
-            version = info.get("version") if isinstance(info, dict) else None
-            if isinstance(version, str):
-                return version
-        return None
+        return await server_version(self._session(), server.url, self._auth_headers[server])
 
     async def read_metrics(self, server: ServerState) -> tuple[int, bytes]:
         """The server's /metrics; for SGLang's router, its servers' together.

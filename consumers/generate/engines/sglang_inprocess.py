@@ -36,6 +36,7 @@ from regen.consumers.generate.engine import (
     GenerateRequest,
     GenerateResult,
     PromptRejected,
+    server_rid,
 )
 from regen.consumers.generate.engines.cache_tally import CacheTally
 from regen.consumers.generate.engines.sglang_replies import (
@@ -103,11 +104,11 @@ class SGLangInProcessEngine:
             reply = await self._engine.async_generate(
                 input_ids=request.prompt_ids,
                 sampling_params=request.sampling,
-                rid=request.rid,
+                rid=server_rid(request.rid),
             )
         except asyncio.CancelledError:
             # The chunk was abandoned (shutdown): free the scheduler's slot for the next.
-            self._abort(request.rid)
+            self._abort(server_rid(request.rid))
             raise
         except Exception as exc:
             raise self._translate(exc) from exc

@@ -16,8 +16,8 @@ Failures are sorted by what they say about the *server*:
 | read timeout (request_timeout_s)                 | timeout       | down     | retry     |
 | 500 and other 5xx                                | server_error  | down     | bounded   |
 | 200 without output_ids, aborted, or other 4xx    | bad_response  | down     | bounded   |
-| 200 aborted at the worker's asking (hand-over)   | -             | -        | answer so |
-|                                                  |               |          | far       |
+| 200 aborted at the worker's asking (hand-over),  | -             | -        | answer so |
+|   with or without output_ids (none: nothing yet) |               |          | far       |
 
 (*) The first disconnect of a request is retried at once without blaming the server: it
 is most likely an idle keep-alive connection the server closed as we reused it.
@@ -148,6 +148,11 @@ def result_from_reply(
     handed_over: bool = False,
 ) -> GenerateResult:
     """Map one /generate reply dict (HTTP or `Engine.async_generate`, the same shape)."""
+    if handed_over and isinstance(data, dict) and "output_ids" not in data and _aborted(data):
+        # SGLang 0.5.1 and 0.5.3 answer the abort of a request still in their queue with
+        # no output_ids ("Abort before prefill"): nothing was decoded, and the server is
+        # fine. Never asked of them (sglang_handover.py), but a router may mix versions.
+        data = {**data, "output_ids": []}
     try:
         # No `text` at all is SGLang started with --skip-tokenizer-init: the ids are
         # the answer either way, and the stages decode them where they need text.
@@ -177,6 +182,12 @@ def result_from_reply(
         message = f"request aborted: {finish.get('message')}"
         raise Failure("bad_response", message, down=True, bad=True)
     return result
+
+
+def _aborted(data: dict[str, Any]) -> bool:
+    meta = data.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(finish, dict) and finish.get("type") == "abort"
 
 
 def cached_tokens(meta: dict[str, Any]) -> int | None:
