@@ -183,6 +183,9 @@ def _result(
         server=_SERVER,
         worker=_WORKER,
         attempt=1,
+        # A budget the sized answer fits: the estimate is of a record with this many
+        # answer tokens, whatever the job's (record._check_one_answer).
+        sampling={**sampling, "max_new_tokens": max(len(output), sampling["max_new_tokens"])},
     )
 
 

@@ -64,6 +64,9 @@ def make_result(tok: Any, spec: Any, i: int, answer: str | None = None) -> Any:
         output_ids=output_ids, text=answer, finish_reason={"type": "stop", "matched": eot},
         prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), cached_tokens=0,
         latency_s=0.01, server="test", worker="test", attempt=0,
+        # A budget the answer fits, as any answer a server gives does.
+        sampling={**spec.sampling,
+                  "max_new_tokens": max(spec.sampling["max_new_tokens"], len(output_ids))},
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from regen.cli_status import status
 from regen.common import dlq, keys
 from regen.common.jobspec import JobSpec
 from regen.common.results import GeneratedResult
+from regen.consumers.generate.engine import server_rid
 from tests.generate_harness import Worker, all_generated, results
 from tests.helpers import wait_for
 from tests.sglang_standin.process import StandinHandle, free_port, start_standin
@@ -145,7 +146,8 @@ def test_each_conversation_stays_on_one_server_and_its_hit_rate_is_the_servers_c
         assert [res.turn for res in done] == list(range(turns)), cid
         servers = {res.server for res in done}
         # The servers' own word: each turn's rid was completed where the result says.
-        assert servers == {witness[f"{res.chunk}-{res.id}-{res.attempt}"] for res in done}
+        sent = (server_rid(f"{res.chunk}-{res.id}-{res.attempt}") for res in done)
+        assert servers == {witness[rid] for rid in sent}
         assert len(servers) == 1, f"conversation {cid} went to {servers}"
         homes |= servers
         for earlier, later in pairwise(done):
