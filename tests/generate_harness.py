@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -37,22 +36,13 @@ PROMPTS = [f"Tell me fact number {i} about the moon." for i in range(12)]
 
 
 def enqueue_prompts(
-    url: str,
-    tmp_path: Path,
-    prompts: list[str],
-    job: str = "g",
-    sampling: dict[str, Any] | None = None,
-    **options: Any,
+    url: str, tmp_path: Path, prompts: list[str], job: str = "g", **options: Any
 ) -> jobspec.JobSpec:
-    """Job `job` of `prompts`, with `options` (JobOptions) and `sampling` parameters no
-    option sets (a penalty) over the job's."""
+    """Job `job` of `prompts`, with `options` (JobOptions)."""
     path = write_jsonl(tmp_path / f"{job}.jsonl", [{"prompt": p} for p in prompts])
     options.setdefault("max_new_tokens", 48)
     options.setdefault("chunk_size", 4)
     prepared = prepare_job(JobOptions(job=job, model="smollm2", **options))
-    if sampling:
-        spec = dataclasses.replace(prepared.spec, sampling={**prepared.spec.sampling, **sampling})
-        prepared = dataclasses.replace(prepared, spec=spec)
     r = redis.Redis.from_url(url)
     save_job(r, prepared)  # the spec and provenance, as `regen enqueue` stores them
     Enqueuer(r, make_app(url), prepared, high_water=10_000).run([path])

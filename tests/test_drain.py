@@ -194,8 +194,10 @@ def test_a_sigterm_moves_every_running_answer_back_and_exits_in_seconds(tmp_path
 @pytest.mark.slow
 def test_answers_that_cannot_move_start_again_and_are_counted(tmp_path: Path) -> None:
     """With frequency_penalty set, a continuation would forget the tokens the penalty
-    counted: the drain stops those answers and gives their prompts back from scratch,
-    says so and counts them. Nothing is lost or answered twice."""
+    counted: nothing is handed over (the same rule keeps a slow worker's answers where
+    they are at a job's end, held_prompts._why_answers_stay); the drain stops those
+    answers and gives their prompts back from scratch, says so and counts them.
+    Nothing is lost or answered twice."""
     with a_job_on_one_server(tmp_path, frequency_penalty=0.5) as setup:
         first = worker(setup, tmp_path)
         all_slots_busy(setup)

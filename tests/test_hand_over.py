@@ -318,7 +318,6 @@ class Fleet:
 def slow_then_fast(
     tmp_path: Path,
     slow_env: dict[str, str] | None = None,
-    job_sampling: dict[str, Any] | None = None,
     **slow_standin: Any,
 ) -> Iterator[Fleet]:
     """A slow server's worker alone first, then a 40x faster one's; yields once the slow
@@ -337,8 +336,7 @@ def slow_then_fast(
     ):
         url = redis_server.url
         r = redis.Redis.from_url(url)
-        spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000,
-                               sampling=job_sampling)  # fmt: skip
+        spec = enqueue_prompts(url, tmp_path, short + long, chunk_size=4, max_new_tokens=2000)
         common = ["--engine", "sglang", "--jobs", "g"]
         port = free_port()
         slow_args = [*common, "--max-inflight", "8", "--server", slow.url,
@@ -408,21 +406,6 @@ def test_an_abort_on_an_answers_last_step_ends_it_and_every_record_is_one_answer
             assert len(x.output_ids) <= budget and x.output_ids[-1] in ends
             body = {"input_ids": x.prompt_ids, "sampling_params": x.sampling, "rid": f"{x.id}-x"}
             assert fleet.fast.generate(body).json()["output_ids"] == x.output_ids
-
-
-@pytest.mark.slow
-def test_a_job_with_a_penalty_hands_nothing_over(tmp_path: Path) -> None:
-    """frequency_penalty counts the tokens a request decoded, which a continuation would
-    not carry: the slow worker still leaves the job's end to the fast one, but its
-    running answers end where they are. Nothing moved, every prompt once."""
-    with slow_then_fast(tmp_path, job_sampling={"frequency_penalty": 0.3}) as fleet:
-        wait_for(lambda: all_generated(fleet.r, fleet.spec), timeout=240, what="the job")
-        got = results(fleet.r, "g")
-        assert sorted(x.id for x in got) == sorted(enqueued_ids(fleet.r, "g"))
-        assert not any(x.resumed_tokens for x in got)
-        slow = fleet.slow.stats()
-        assert slow["moved_total"] == 0 and slow["moved_waiting_total"] == 0, slow
-        assert "not handed over to faster servers: frequency_penalty" in fleet.slow_worker.log()
 
 
 @pytest.mark.slow

@@ -11,7 +11,10 @@ short of prompts (one server, or a busy fleet) nothing moves. At a job's end, a 
 that leaves the job's last prompts to faster servers (stand_down.py) starts none of them
 and gives back all it holds; and as faster peers fall idle, it hands its running answers
 over to them, each with its answer so far, which they continue (docs/design.md, "A slow
-server's last answers move"; resume.py).
+server's last answers move"; resume.py). When the worker drains, or the job is paused, a
+delivery starts nothing more and gives back what it holds; with the drain or `regen pause
+--now`, every running answer moves back to the queue too (docs/design.md, "Drain and
+pause").
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ def register(app: Celery, ctx: ChunkContext) -> None:
             log.warning("chunk %s: dropped: %s", chunk.chunk_id, exc)
             return {"generated": 0, "skipped": 0, "dead_lettered": 0, "dropped": 1}
         except ChunkDeferred as exc:
-            log.warning("chunk %s: engine unavailable for too long; giving it back", chunk.chunk_id)
+            log.warning("chunk %s: giving it back: %s", chunk.chunk_id, exc)
             # `from None`: Celery logs every Reject with its traceback, and the chained
             # one says nothing the line above does not (an outage gives back each chunk).
-            raise Reject(f"engine unavailable: {exc}", requeue=True) from None
+            raise Reject(f"given back: {exc}", requeue=True) from None
         except Exception as exc:
             # Give the chunk back rather than let Celery ack a failure (acks_late acks
             # failed tasks): run_chunk has expired its lease for the next sweep, or else

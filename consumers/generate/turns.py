@@ -19,10 +19,11 @@ from typing import Any
 
 import redis
 
-from regen.common import crashpoints
+from regen.common import crashpoints, job_pause
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.consumers.generate.chunk_life import (
+    ChunkDeferred,
     ChunkLease,
     LeaseLost,
     generate_with_retry,
@@ -44,6 +45,9 @@ from regen.consumers.generate.turn_state import (
 
 # Where a crash test kills the worker: right after a turn that has a next one is handed off.
 CRASHPOINT = "generate.between_turns"
+# While turns run, a delivery looks this often whether the worker drains: a second
+# against turns of minutes.
+DRAIN_CHECK_S = 1.0
 
 
 class _Conversations:
@@ -103,9 +107,10 @@ class _Conversations:
             for turn in first:
                 self.send(turn)
             while self.running:
-                finished, _ = wait(self.running, return_when=FIRST_COMPLETED)
+                finished, _ = wait(self.running, DRAIN_CHECK_S, return_when=FIRST_COMPLETED)
                 if self.lease.lost.is_set():
                     raise LeaseLost("another delivery holds the chunk")
+                self._leave_if_stopping()
                 for future in finished:
                     turn = self.running.pop(future)
                     self.ctx.count_inflight(-1)
@@ -119,6 +124,19 @@ class _Conversations:
             self.ctx.count_inflight(-len(self.running))
             self.running.clear()
             raise
+
+    def _leave_if_stopping(self) -> None:
+        """A worker that drains (or a job paused with --now) gives the chunk back: its
+        finished turns are checkpointed, and a redelivery goes on from its first open
+        turn; the turns running now start again there (not moved: docs/design.md,
+        "Drain and pause"). Raises ChunkDeferred."""
+        ctx = self.ctx
+        if ctx.messages is None:
+            return  # a bare context cannot give chunks back: the turns run on
+        if ctx.draining.is_set() or ctx.pause(self.chunk.job) == job_pause.NOW:
+            ctx.restarted.add(len(self.running))
+            raise ChunkDeferred(f"{len(self.running)} running turns stop: the worker drains "
+                                "or the job is paused")  # fmt: skip
 
     def _cancel_running(self) -> None:
         # From the heartbeat's thread: list() copies the keys in one step under the GIL.

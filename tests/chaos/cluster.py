@@ -205,6 +205,13 @@ class Slot:
     worker: Worker | Follower | None = None
     exits: list[int] = field(default_factory=list)
     died_at: float | None = None
+    # The process now running was told to stop (SIGTERM): it exits 0 when its drain
+    # ends, and is started again, as Slurm requeues a job.
+    stopping: bool = False
+    # After that SIGTERM: when to SIGKILL it (mid-drain), and whether to send a second
+    # SIGTERM once it drains.
+    kill_at: float | None = None
+    second_signal: bool = False
 
 
 class Workers:
@@ -238,6 +245,7 @@ class Workers:
         else:
             slot.worker = Worker(self.url, self.log_dir, *slot.args, env=env, kind=slot.kind)
         slot.died_at = None
+        slot.stopping, slot.kill_at, slot.second_signal = False, None, False
 
     def of_kind(self, kind: str) -> list[Slot]:
         return [slot for slot in self.slots if slot.kind == kind]
@@ -253,6 +261,7 @@ class Workers:
             assert slot.worker is not None
             code = slot.worker.process.poll()
             if code is None:
+                self._follow_drain(slot, now)
                 continue
             if code == 0 and slot.kind == "producer":
                 if slot.died_at is None:
@@ -270,7 +279,7 @@ class Workers:
                     )
                 if slot.in_window and code == -signal.SIGKILL:
                     self.window_kills += 1  # (or a kill_generate fault that hit it first)
-                if code == 0:
+                if code == 0 and not slot.stopping:
                     self.violations.append(
                         f"{slot.worker.name} exited 0 while the job ran: a supervisor that "
                         "restarts on failure would leave it down"
@@ -287,6 +296,33 @@ class Workers:
         self._start(slot)
         assert slot.worker is not None
         return slot.worker.name
+
+    def drain(self, kind: str, target: int, detail: str) -> str | None:
+        """SIGTERM to a worker's main process, as Slurm, Kubernetes and `docker stop`
+        send it: it drains and exits, and is started again. `detail`: "kill:S" SIGKILLs
+        it S seconds later (mid-drain), "twice" sends a second SIGTERM once it drains."""
+        slot = self._pick(kind, target)
+        if slot is None or slot.worker is None or slot.worker.process.poll() is not None:
+            return None
+        if slot.worker.process.pid in self.frozen or slot.stopping:
+            return None
+        slot.stopping = True
+        slot.worker.process.send_signal(signal.SIGTERM)
+        if detail.startswith("kill:"):
+            slot.kill_at = time.monotonic() + float(detail.split(":")[1])
+        slot.second_signal = detail == "twice"
+        return slot.worker.name
+
+    def _follow_drain(self, slot: Slot, now: float) -> None:
+        """The rest of a drain fault on a running worker: its kill, or its second signal
+        (sent once the drain began: one sent before merges with the first)."""
+        assert slot.worker is not None
+        if slot.kill_at is not None and now >= slot.kill_at:
+            slot.kill_at = None
+            slot.worker.kill()
+        elif slot.second_signal and "draining" in slot.worker.log()[-4000:]:
+            slot.second_signal = False
+            slot.worker.process.send_signal(signal.SIGTERM)
 
     def kill(self, kind: str, target: int) -> str | None:
         slot = self._pick(kind, target)

@@ -370,6 +370,9 @@ class Run:
             kind, count = fault.detail.split(":")
             self.env.standin.fault(kind, int(count))
             what += f"({fault.detail})"
+        elif fault.kind == "drain_generate":
+            detail = f"{fault.detail}: " if fault.detail else ""
+            what += f"({detail}{self.workers.drain('generate', fault.target, fault.detail)})"
         elif fault.kind == "kill_in_kombu_window":
             name = self.workers.add_in_kombu_window(self.generate_args(), GENERATE_ENV)
             what += f"({name})"

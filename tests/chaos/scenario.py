@@ -47,6 +47,13 @@ LATER_FAULTS = {
     "sentinel_failover": 0.2,
 }
 KOMBU_WINDOW_BEFORE_S = 2.0
+# A generate worker told to stop (SIGTERM, as Slurm, Kubernetes and `docker stop` do): it
+# drains, handing its running answers back to the queue, and is started again, as a
+# requeued job is. From its own stream `Random(f"{mode}:{seed}:drain")`; its detail:
+# "" (the drain runs to its end), "kill:S" (SIGKILL S seconds in: mid-abort or
+# mid-give-back) or "twice" (a second SIGTERM once it drains: it exits at once).
+DRAIN_CHANCE = 0.35
+DRAIN_DETAILS = ("", "kill", "twice")
 # The chance that a seed's shards go to a bucket (moto's S3 server) instead of a local
 # folder, from its own stream `Random(f"{mode}:{seed}:store")`: earlier draws unchanged.
 BUCKET_CHANCE = 0.25
@@ -137,6 +144,13 @@ def draw(seed: int, mode: str) -> Scenario:
                 else (6.0 if mode == "single" else 10.0)
             )
             faults.append(Fault(round(later.uniform(0.0, until_s), 2), kind))
+    drain = random.Random(f"{mode}:{seed}:drain")
+    if drain.random() < DRAIN_CHANCE:
+        detail = drain.choice(DRAIN_DETAILS)
+        if detail == "kill":
+            detail = f"kill:{round(drain.uniform(0.05, 1.5), 2)}"
+        at_s = round(drain.uniform(0.5, 6.0 if mode == "single" else 10.0), 2)
+        faults.append(Fault(at_s, "drain_generate", drain.randrange(3), detail))
     faults.sort(key=lambda f: f.at_s)
     return Scenario(
         seed=seed,

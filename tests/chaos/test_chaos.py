@@ -30,8 +30,9 @@ from tests.chaos.scenario import (
 
 # Seeds whose runs together hold every fault kind, every crash point and a crashed export.
 # single 30 and turns 5 run on Sentinel and fail over; single 230 and turns 201 draw a kill
-# inside kombu's window.
-CI_SEEDS = {"single": (30, 104, 230), "turns": (5, 56, 67, 201, 271)}
+# inside kombu's window; single 1 SIGKILLs a generate worker mid-drain, turns 3 sends a
+# draining one a second SIGTERM.
+CI_SEEDS = {"single": (1, 30, 104, 230), "turns": (3, 5, 56, 67, 201, 271)}
 
 
 def test_a_seed_draws_the_same_run_and_seeds_differ() -> None:
@@ -46,6 +47,7 @@ def test_the_ci_seeds_cover_every_fault_and_crash_point(mode: str) -> None:
     wanted = {
         *FAULT_WEIGHTS,
         *LATER_FAULTS,
+        "drain_generate",
         *GENERATE_CRASHPOINTS,
         *TOKENIZE_CRASHPOINTS,
         EXPORT_CRASHPOINT,

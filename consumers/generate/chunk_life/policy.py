@@ -65,7 +65,8 @@ def attempts_spent(history: list[Attempt], attempt: int, max_attempts: int) -> i
 
 
 class ChunkDeferred(Exception):
-    """No server the chunk may use stayed healthy (or the engine closed): give it back."""
+    """No server the chunk may use stayed healthy (or the engine closed), or the worker
+    drains a chunk of conversations: give it back."""
 
 
 async def generate_with_retry(runner: EngineRunner, request: GenerateRequest) -> GenerateResult:
