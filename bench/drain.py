@@ -26,6 +26,7 @@ checkout installed), so the code before a change runs side by side with it:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -40,7 +41,8 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.generate_harness import all_generated, enqueue_prompts, enqueued_ids, results  # noqa: E402
+from regen.common import jobspec  # noqa: E402
+from tests.generate_harness import all_generated, enqueued_ids, results  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 from tests.redis_server import running_redis  # noqa: E402
 from tests.sglang_standin import run_standin  # noqa: E402
@@ -56,12 +58,32 @@ def lengths(scale: int) -> list[int]:
     return [(1600 + (800 * i) // (PROMPTS - 1)) // scale for i in range(PROMPTS)]
 
 
-def start_worker(python: str, url: str, server: str, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
+def regen(python: str, *args: str) -> list[str]:
+    """`regen ARGS` of the checkout `python` runs (started in the run's folder, so that
+    this checkout's own `regen/` is not on its path)."""
+    return [python, "-m", "regen", *args]
+
+
+def enqueue(python: str, url: str, folder: Path, prompts: list[str]) -> None:
+    """The job, enqueued by the checkout under test (a job spec is read by the regen
+    that wrote it or a newer one)."""
+    data = folder / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    subprocess.run(
+        regen(python, "enqueue", str(data), "--job", "g", "--model", "smollm2",
+              "--max-new-tokens", "4096", "--redis-url", url),
+        cwd=folder, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+
+
+def start_worker(
+    python: str, url: str, server: str, folder: Path, log: str
+) -> subprocess.Popen[bytes]:
+    with open(folder / log, "ab") as out:
         return subprocess.Popen(
-            [python, "-m", "regen", "worker", "generate", "--redis-url", url,
-             "--engine", "sglang", "--server", server, "--jobs", "g"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            regen(python, "worker", "generate", "--redis-url", url,
+                  "--engine", "sglang", "--server", server, "--jobs", "g"),
+            cwd=folder, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": ""},
         )  # fmt: skip
 
@@ -91,13 +113,14 @@ def run(python: str, scale: int, folder: Path) -> dict[str, Any]:
     ):  # fmt: skip
         url = redis_server.url
         r = redis.Redis.from_url(url)
-        spec = enqueue_prompts(url, folder, prompts, max_new_tokens=4096, chunk_size=64)
-        first = start_worker(python, url, server.url, folder / "first.log")
+        enqueue(python, url, folder, prompts)
+        spec = jobspec.load(r, "g")
+        first = start_worker(python, url, server.url, folder, "first.log")
         wait_for(lambda: server.stats()["running"] == SLOTS, timeout=300, what="full slots")
         time.sleep(15 / scale)
         exit_s, how = stop(first)
         moved = server.stats()["moved_total"]
-        second = start_worker(python, url, server.url, folder / "second.log")
+        second = start_worker(python, url, server.url, folder, "second.log")
         try:
             wait_for(lambda: all_generated(r, spec), timeout=1800, what="the job")
         finally:

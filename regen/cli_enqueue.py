@@ -160,7 +160,7 @@ def enqueue(
         click.echo(f"job {options.job}: following it until every prompt has a place", err=True)
         # Stopped as a service is (SIGTERM): a clean exit, its key gone at once so that
         # `regen status` says the job is unfollowed. Anywhere is safe to stop at: the
-        # enqueue resumes from Redis (docs/design.md, Invariants).
+        # enqueue resumes from Redis (docs/design.md, Atomic publish).
         signal.signal(signal.SIGTERM, _stop_following)
         try:
             follower.run()

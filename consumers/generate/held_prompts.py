@@ -199,11 +199,11 @@ class HeldPrompts:
         self._ctx.handed_over_tokens.add(tokens)
         # bench/long_generations.py reads the ids and the tokens moved off the logs.
         log.info(
-            "chunk %s: handed %d running answers (%d tokens so far) over to faster servers "
-            "in %d chunks: %s",
+            "chunk %s: handed %d running answers (%d tokens so far) %s in %d chunks: %s",
             self._chunk.chunk_id,
             len(prompts),
             tokens,
+            "back to the queue" if self._moves_everything() else "over to faster servers",
             chunks,
             ",".join(p.id for p in prompts),
         )

@@ -103,7 +103,7 @@ class Redis(_Snapshots):
 class SentinelRedis(_Snapshots):
     """A primary, a replica and three sentinels (tests/sentinel_cluster.py); every process
     and the harness's own client reach the primary through `sentinel://`, so they follow
-    it through a failover (docs/design.md, Redis Sentinel)."""
+    it through a failover (docs/operations.md, Redis Sentinel)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder

@@ -1,0 +1,55 @@
+"""Every section of docs/design.md a comment or docstring cites exists: the code's
+reasons point at text a reader can find (`docs/design.md, "Section"` or
+`docs/design.md, Section`, a citation running on over its comment's next lines)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DESIGN = REPO / "docs" / "design.md"
+SOURCES = ("common", "consumers", "producer", "regen", "deploy", "scripts", "bench", "tests")
+# A citation: the file's name, then ", " or ": ", then the section, quoted or not.
+CITATION = re.compile(r'docs/design\.md[,:] ?(?:"(?P<quoted>[^"]+)"|(?P<bare>[^)"]+))')
+# Comment markers and indentation between the lines a citation runs over.
+LINE_BREAK = re.compile(r"\s*\n\s*(?:#\s*)?")
+
+
+# A paragraph's bold lead-in names a section too: **Behind SGLang's router.**
+LEAD_IN = re.compile(r"^\*\*([^*]+?)\.\*\*", re.M)
+
+
+def headings() -> list[str]:
+    """The design's headings and its paragraphs' bold lead-ins."""
+    text = DESIGN.read_text()
+    titled = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    return titled + LEAD_IN.findall(text)
+
+
+def citations() -> list[tuple[str, str]]:
+    """(file, cited section) for every citation in the tree's Python and YAML files."""
+    found = []
+    for folder in SOURCES:
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix not in (".py", ".yml", ".yaml", ".sh") or ".venv" in path.parts:
+                continue
+            if path == Path(__file__):
+                continue  # its own docstring shows the forms
+            text = LINE_BREAK.sub(" ", path.read_text(errors="replace"))
+            for match in CITATION.finditer(text):
+                cited = match["quoted"] or match["bare"].split(".")[0].split(";")[0]
+                found.append((str(path.relative_to(REPO)), cited.strip()))
+    return found
+
+
+def test_every_cited_section_of_the_design_exists() -> None:
+    names = headings()
+    cites = citations()
+    assert len(cites) > 50, "the citation pattern finds the code's citations"
+    missing = [
+        (where, cited)
+        for where, cited in cites
+        if not any(cited == name or cited.startswith(name) for name in names)
+    ]
+    assert missing == [], f"cited, not a section of docs/design.md: {missing}"
