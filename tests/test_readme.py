@@ -42,6 +42,7 @@ README = (REPO / "README.md").read_text()
 MARKERS = {"", "daemon", "site", "gpu", "docker", "self"}
 JOB = "k26-run1"
 METRICS_PORT = 9102
+GRACE_S = 30
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,13 @@ def test_the_readme_runs_as_written(site: dict[str, str], tmp_path: Path) -> Non
                     left = process.poll() == 0 and "--follow" in command and job_done(r)
                     assert process.poll() is None or left, f"{command} exited early"
     finally:
+        # Each stops within the grace Slurm, Kubernetes and compose give a SIGTERM
+        # before the SIGKILL (30 s), having committed what it holds.
         codes = {}
         for command, process in daemons:
             process.send_signal(signal.SIGTERM)
             try:
-                codes[command] = process.wait(timeout=120)
+                codes[command] = process.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 codes[command] = process.wait()

@@ -137,6 +137,22 @@ def test_an_aborted_answer_returns_its_prefix_with_the_step_in_flight_and_it_con
     assert stats["aborted_busy_s"] == 0 and stats["completed"] == 0 and stats["running"] == 0
 
 
+def _abort_beside_a_reference(
+    pool: ThreadPoolExecutor, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """On a stand-in with `options`: the same prompt answered whole ("reference") beside
+    one aborted once it runs ("long"). (the aborted reply, the whole one, the aborted
+    request's slot-log entry, the stats)."""
+    with run_standin(**options) as server:
+        reference = _generate(pool, server, _body("reference"))
+        pending = _generate(pool, server, _body("long"))
+        _wait_running(server, "long")
+        _abort(server, {"rid": "long"})
+        cut = pending.result(timeout=30).json()
+        full = reference.result(timeout=30).json()
+        return cut, full, _slot_entry(server, "long"), server.stats()
+
+
 def test_an_abort_on_the_last_step_returns_the_whole_answer_with_finish_abort(
     tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
@@ -147,16 +163,7 @@ def test_an_abort_on_the_last_step_returns_the_whole_answer_with_finish_abort(
         "abort_on_last_step": 1.0,
         "continuations_dir": str(tmp_path / "c"),
     }
-    with run_standin(**options) as server:
-        # The whole answer, decoded beside the one aborted (the same prompt and answer).
-        reference = _generate(pool, server, _body("reference"))
-        pending = _generate(pool, server, _body("long"))
-        _wait_running(server, "long")
-        _abort(server, {"rid": "long"})
-        cut = pending.result(timeout=30).json()
-        full = reference.result(timeout=30).json()
-        entry = _slot_entry(server, "long")
-        stats = server.stats()
+    cut, full, entry, stats = _abort_beside_a_reference(pool, options)
     eos = full["output_ids"][-1]
     assert len(full["output_ids"]) == 1001
     assert full["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
@@ -178,14 +185,7 @@ def test_with_speculative_steps_an_abort_on_the_last_step_returns_tokens_past_th
     the abort brings the 2 after its end too."""
     options: dict[str, Any] = {**MEDIUM, "output_len_dist": "fixed:n=999", "tokens_per_step": 3,
                "abort_on_last_step": 1.0, "continuations_dir": str(tmp_path / "c")}  # fmt: skip
-    with run_standin(**options) as server:
-        reference = _generate(pool, server, _body("reference"))
-        pending = _generate(pool, server, _body("long"))
-        _wait_running(server, "long")
-        _abort(server, {"rid": "long"})
-        cut = pending.result(timeout=30).json()
-        full = reference.result(timeout=30).json()
-        stats = server.stats()
+    cut, full, _, stats = _abort_beside_a_reference(pool, options)
     ids = cut["output_ids"]
     assert len(full["output_ids"]) == 1000 and len(ids) == 1002
     assert ids[:1000] == full["output_ids"] and ids[999] == full["output_ids"][-1]
