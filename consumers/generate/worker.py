@@ -370,8 +370,9 @@ def _holds_nothing(ctx: ChunkContext) -> bool:
 
 
 def idle_slots(ctx: ChunkContext, state: QueueState) -> int:
-    """Slots no prompt held here will fill (none while the engine is unhealthy)."""
-    if not state.healthy:
+    """Slots no prompt held here will fill (none while the engine is unhealthy or the
+    worker drains: peers must not give prompts back for it)."""
+    if not state.healthy or ctx.draining.is_set():
         return 0
     return max(0, ctx.runner.engine.capacity() - ctx.outstanding)
 
@@ -380,7 +381,7 @@ def short(ctx: ChunkContext, state: QueueState, peers_idle: bool) -> int:
     """Prompts the worker would take now: its idle slots and the slack its flow control
     keeps waiting (flow_control.py; none while a peer is idle or just after a give-back).
     Peers give their waiting prompts beyond their own slack for it (peers.py)."""
-    if not state.healthy:
+    if not state.healthy or ctx.draining.is_set():
         return 0
     capacity = ctx.runner.engine.capacity()
     kept = keeps_slack(ctx, peers_idle, time.monotonic())
@@ -405,7 +406,7 @@ def _snapshot(
         "paused_jobs": state.paused(),
         # Without the queues it leaves to faster servers: no peer gives prompts back
         # for its idle slots there. `regen status` counts it apart on those.
-        "queues": sorted(state.wanted() - stand_down.left()),
+        "queues": [] if ctx.draining.is_set() else sorted(state.wanted() - stand_down.left()),
         "left_to_faster": sorted(stand_down.left()),
         "concurrency": concurrency,
         "chunks_held": ctx.chunks_held,
@@ -419,7 +420,7 @@ def _snapshot(
         "idle_slots": idle_slots(ctx, state),
         "short": short(ctx, state, peers_idle()),
         # Read by slower peers (stand_down.py): how fast this server finishes a job's end.
-        "slots": ctx.runner.engine.capacity() if state.healthy else 0,
+        "slots": ctx.runner.engine.capacity() if state.healthy and not ctx.draining.is_set() else 0,
         "decode_tps": ctx.answers.decode_tps(),
         "tokens_per_s": ctx.tokens.rate(),
         "tokens_total": ctx.tokens.total,
