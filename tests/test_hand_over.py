@@ -155,6 +155,47 @@ async def sent_and_running(
     return running
 
 
+def test_a_fleet_of_053_and_056_hands_over_only_on_056_and_marks_no_server_down(
+    tmp_path: Path,
+) -> None:
+    """One engine over a 0.5.3-style and a 0.5.6-style server, an answer running on
+    each: asked to hand both over, it aborts only the 0.5.6 one (which returns its
+    answer so far); the 0.5.3 one runs to its end. No server is marked down, and no
+    answer runs again from scratch (the old code asked 0.5.3 too, whose reply without
+    output_ids it took for a bad server)."""
+    options = {"decode_tokens_per_s": 200, "output_len_dist": "fixed:n=600",
+               "continuations_dir": str(tmp_path / "cont")}  # fmt: skip
+    with (
+        run_standin(version="0.5.3", **options) as old,
+        run_standin(version="0.5.6", **options) as new,
+    ):
+
+        async def scenario() -> tuple[list[bool], list[GenerateResult], dict[str, Any]]:
+            requests = [GenerateRequest(f"r{i}", [1, 2, 3, i], {"max_new_tokens": 1000})
+                        for i in range(2)]  # fmt: skip
+            async with SGLangHTTPEngine([old.url, new.url]) as engine:
+                while not all(s["healthy"] for s in engine.stats()["servers"]):
+                    await engine.wait_until_healthy(30)  # one at least: both, to route
+                    await asyncio.sleep(0.05)  # the requests one to each
+                running = [asyncio.ensure_future(engine.generate(r)) for r in requests]
+                await asyncio.to_thread(
+                    wait_for, lambda: old.stats()["running"] == new.stats()["running"] == 1,
+                    20, "an answer running on each server",
+                )  # fmt: skip
+                handed = [await engine.hand_over(r.rid) for r in requests]
+                return handed, list(await asyncio.gather(*running)), engine.stats()
+
+        handed, answers, stats = asyncio.run(scenario())
+        on_old = [a for a in answers if a.server == old.url]
+        on_new = [a for a in answers if a.server == new.url]
+        assert len(on_old) == len(on_new) == 1 and sorted(handed) == [False, True]
+        assert not on_old[0].handed_over and len(on_old[0].output_ids) == 601
+        assert on_new[0].handed_over and 0 < len(on_new[0].output_ids) < 601
+        assert all(s["healthy"] and not s["failures_by_kind"] for s in stats["servers"])
+        assert old.stats()["moved_total"] == 0 and new.stats()["moved_total"] == 1
+        assert old.stats()["aborted_total"] == new.stats()["aborted_total"] == 0
+
+
 def test_the_engine_hands_a_running_answer_over_with_what_it_decoded(tmp_path: Path) -> None:
     """SGLang's /abort_request on the stand-in: the request's own /generate returns the
     answer so far, which a second server (same seed) continues into the whole answer."""
