@@ -36,7 +36,7 @@ def server_end_ids(
     ids = set(end_of_turn_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    added = getattr(tokenizer, "get_added_vocab", dict)()
+    added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
     ids.update(added[token] for token in EXTRA_STOP_TOKENS if token in added)
     for name in ("config.json", "generation_config.json"):
         path = folder / name if folder is not None else None

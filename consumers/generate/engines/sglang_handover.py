@@ -187,7 +187,8 @@ class HandOvers:
         except RouterError:
             workers = []
         versions = await asyncio.gather(*(server_version(http, url, headers) for url in workers))
-        oldest = "" if not versions or None in versions else min(versions, key=_version_key)
+        said = [v for v in versions if v is not None]
+        oldest = min(said, key=_version_key) if said and len(said) == len(versions) else ""
         self._routed[server.url] = (time.monotonic(), oldest or "")
         return oldest or ""
 
