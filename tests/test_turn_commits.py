@@ -200,7 +200,7 @@ def test_turns_failing_together_leave_no_prompt_counted_in_flight(
     # Both turns finished when the chunk looks: as when they end within a moment.
     every = concurrent.futures.ALL_COMPLETED
     monkeypatch.setattr(
-        turns, "wait", lambda fs, return_when: concurrent.futures.wait(fs, None, every)
+        turns, "wait", lambda fs, timeout, return_when: concurrent.futures.wait(fs, None, every)
     )
     with pytest.raises(RuntimeError, match="engine bug"):
         run_chunk(ctx, chunk, TAG)

@@ -189,8 +189,8 @@ class HandOvers:
         versions = await asyncio.gather(*(server_version(http, url, headers) for url in workers))
         said = [v for v in versions if v is not None]
         oldest = min(said, key=_version_key) if said and len(said) == len(versions) else ""
-        self._routed[server.url] = (time.monotonic(), oldest or "")
-        return oldest or ""
+        self._routed[server.url] = (time.monotonic(), oldest)
+        return oldest
 
     async def _abort(
         self, http: aiohttp.ClientSession, attempt: Attempt, headers: dict[str, str]
