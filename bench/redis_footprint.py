@@ -35,15 +35,17 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from regen.common import id_buckets, jobspec, keys
+from regen.common import jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.chunk_message import ChunkMessages
 from regen.common.jobspec import JobSpec
+from regen.common.ledger import id_buckets
+from regen.common.ledger.commit_ledger import CommitLedger
+from regen.common.ledger.shard_names import shard_name
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.chunk_life import LeaseBook, give_back_unstarted, mark_generated
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.shard_files import ShardInfo, shard_name
+from regen.consumers.tokenize.shard_files import ShardInfo
 from regen.producer.publish import ChunkPublisher
 from tests.redis_server import running_redis
 

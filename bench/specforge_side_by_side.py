@@ -81,8 +81,8 @@ from long_generations import CONTEXT_LENGTH, standins  # noqa: E402
 
 from regen.common import defaults, keys  # noqa: E402
 from regen.common.chat_family import render_prompt_ids  # noqa: E402
+from regen.common.ledger.commit_ledger import CommitLedger  # noqa: E402
 from regen.common.tokenizer import load_tokenizer  # noqa: E402
-from regen.consumers.tokenize.commit_ledger import CommitLedger  # noqa: E402
 from regen.consumers.tokenize.shard_files import read_manifest  # noqa: E402
 from tests.generate_harness import Worker  # noqa: E402
 from tests.redis_server import running_redis  # noqa: E402

@@ -27,7 +27,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from regen.common import jobspec, keys
-from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.producer.spec import JobOptions, prepare_job

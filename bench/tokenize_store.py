@@ -29,7 +29,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from regen.common import jobspec, keys
-from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import make_result, wait_for
 from tests.redis_server import running_redis

@@ -26,7 +26,7 @@ OUT_DIR = "regen-out"
 # Prompts per chunk, the unit of work on the generate queue. 64 keeps a chunk's run
 # time in minutes on a busy server while a 900K-prompt job stays at ~14K chunks.
 CHUNK_SIZE = 64
-# Ids a new job's Redis indexes are sized for (`--expected-prompts`; common/id_buckets.py):
+# Ids a new job's Redis indexes are sized for (`--expected-prompts`; common/ledger/id_buckets.py):
 # they stay compact up to ~2-4x this; a far smaller job has up to one bucket (~100 bytes
 # of key overhead) per id in each index.
 EXPECTED_PROMPTS = 1_000_000
@@ -195,7 +195,7 @@ SHARD_CLAIM_S = 120.0
 
 # --- healing (`regen enqueue --follow`, the tokenize stage's own recovery) -----------
 # The follower looks at its job this often (env REGEN_FOLLOW_POLL_S): a pass is one
-# O(window) count (regen/ops/accounting.py), so every 30 s costs Redis little, and a lost
+# O(window) count (common/ledger/places.py), so every 30 s costs Redis little, and a lost
 # chunk is queued again within poll + grace + poll, about 3 minutes: "a few minutes",
 # against answers of 1-8 minutes and jobs of weeks.
 FOLLOW_POLL_S = 30.0

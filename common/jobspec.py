@@ -14,10 +14,11 @@ from typing import Any
 import orjson
 import redis
 
-from regen.common import defaults, id_buckets, keys
+from regen.common import defaults, keys
 from regen.common.connection import bytes_set
+from regen.common.ledger import id_buckets
 
-# 2: the job's ids and committed index are bucketed hashes (common/id_buckets.py). A
+# 2: the job's ids and committed index are bucketed hashes (common/ledger/id_buckets.py). A
 # version 1 job kept them in one set and one hash, which this regen does not read.
 SPEC_VERSION = 2
 
@@ -91,7 +92,7 @@ class JobSpec:
     version: int = SPEC_VERSION
     # Not compared: a job keeps the rule it was made with (see PROMPT_TEXT_RULES).
     prompt_text: str = field(default=PROMPT_TEXT_STRIPPED, compare=False)
-    # Hashes each of the job's id indexes is spread over (common/id_buckets.py), sized
+    # Hashes each of the job's id indexes is spread over (common/ledger/id_buckets.py), sized
     # from its first enqueue's --expected-prompts. Not compared: a job keeps its own.
     id_buckets: int = field(
         default=id_buckets.bucket_count(defaults.EXPECTED_PROMPTS), compare=False

@@ -82,7 +82,7 @@ def job_refusals(job: str) -> str:
 
 def job_ids(job: str, bucket: int) -> str:
     """Hash: one bucket of every prompt id ever enqueued in the job, stored id -> 1
-    (common/id_buckets.py; the job spec's `id_buckets` says how many)."""
+    (common/ledger/id_buckets.py; the job spec's `id_buckets` says how many)."""
     return _job(job, f"ids:{bucket}")
 
 
@@ -148,8 +148,8 @@ def results_stream(job: str) -> str:
 
 def committed(job: str, bucket: int) -> str:
     """Hash: one bucket of the exactly-once index, stored id -> shard that holds its
-    record, or that claims it while the shard is pending (common/id_buckets.py; the
-    shard as its number when it has a regular name, consumers/tokenize/commit_ledger.py)."""
+    record, or that claims it while the shard is pending (common/ledger/id_buckets.py; the
+    shard as its number when it has a regular name, common/ledger/commit_ledger.py)."""
     return _job(job, f"committed:{bucket}")
 
 
@@ -183,7 +183,7 @@ def job_epoch(job: str) -> str:
 
 def job_behind(job: str) -> str:
     """String: set by a tokenize worker that found Redis behind the job's shard folder,
-    until the recovery it runs (regen/ops/recover.py) deletes it. The job's follower
+    until the recovery it runs (consumers/tokenize/recover.py) deletes it. The job's follower
     (`regen enqueue --follow`) forgets no id and queues nothing while it is set."""
     return _job(job, "behind")
 

@@ -35,13 +35,13 @@ from celery import Celery
 
 from regen.common import defaults, keys
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.ledger.job_ids import JobIds
 from regen.common.queues import waiting_chunks
 from regen.common.samples import SEED_PARAM, sample_seed
 from regen.producer.answer_length import dataset_answer_chars
 from regen.producer.conversations import job_prompt
 from regen.producer.enqueue_stats import EnqueueStats
 from regen.producer.input_refusals import Refusals
-from regen.producer.job_ids import JobIds
 from regen.producer.longest_first import LongestFirst
 from regen.producer.lost_turns import LostTurns
 from regen.producer.pending_prompt import Pending
@@ -250,18 +250,6 @@ class Enqueuer:
                 return
             self._on_progress(self.stats)
             time.sleep(BACKPRESSURE_POLL_S)
-
-
-def reread_from_start(r: redis.Redis, job: str) -> int:
-    """Drop the job's resume cursors, so its next enqueue reads every file from the first
-    row (after `regen recover`: cursors restored from an older copy, or moved on by a
-    producer that kept running, can be past prompts Redis lost). Enqueued, committed and
-    dead-lettered prompts are skipped on the way. Returns how many cursors there were."""
-    pipe = r.pipeline()
-    pipe.hlen(keys.job_cursors(job))
-    pipe.delete(keys.job_cursors(job))
-    dropped, _ = pipe.execute()
-    return int(dropped)
 
 
 def expand_datasets(paths: list[str]) -> list[Path]:

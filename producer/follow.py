@@ -20,7 +20,7 @@ forgets the hand-offs, chunks and cursor moves made since its copy. Each pass:
    rollback lost cursor moves, or a recovery dropped them): run the enqueue pass again,
    which queues the prompts with no record;
 5. every prompt committed or dead-lettered, and nothing left to read: done;
-6. prompts in no place (the O(window) count, regen/ops/accounting.py): list them
+6. prompts in no place (the O(window) count, common/ledger/places.py): list them
    (O(job), only then), and those in no place in two readings at least the grace apart
    are taken out of the job's ids (recover.forget_missing), the cursors dropped, and the
    enqueue pass, reading the files again, queues them again; their chunk id is reused,
@@ -44,10 +44,8 @@ import redis
 from regen.common import jobspec, keys, settings
 from regen.common.backoff import REDIS_RETRY
 from regen.common.connection import OUTAGE_ERRORS, raise_if_refused
-from regen.ops.accounting import count_places, text
-from regen.ops.reconcile import missing_ids
-from regen.ops.recover import forget_missing
-from regen.producer.enqueue import reread_from_start
+from regen.common.ledger.job_ids import reread_from_start
+from regen.common.ledger.places import count_places, forget_missing, missing_ids, text
 from regen.producer.outages import wait_out_outages
 
 log = logging.getLogger("regen.enqueue")

@@ -12,8 +12,8 @@ import redis
 
 from regen.common import dlq
 from regen.common.conversation import blocked_letters
+from regen.common.ledger.job_ids import JobIds
 from regen.producer.enqueue_stats import EnqueueStats
-from regen.producer.job_ids import JobIds
 from regen.producer.pending_prompt import Pending
 from regen.producer.readers import RawRow
 from regen.producer.rows import Reason

@@ -4,7 +4,7 @@ turns.
 Redis restored from a copy taken before a conversation's chunk was published loses the
 conversation whole, while a shard may hold its first turns: `regen recover` puts those
 back in the committed index and saves their answers (`keys.recovered_answers`,
-regen/ops/recover_turns.py), and the job's enqueue finds the conversation's first turn
+consumers/tokenize/recover_turns.py), and the job's enqueue finds the conversation's first turn
 settled though not in the job. Its later turns are in no place, so the enqueue publishes
 the conversation again, whole, with its new chunk's state written first as the
 hand-offs of those turns would have left it: the turns marked generated and their

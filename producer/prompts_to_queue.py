@@ -10,11 +10,11 @@ from __future__ import annotations
 import redis
 
 from regen.common import dlq
-from regen.common.committed_index import committed_index
 from regen.common.conversation import Conversation
+from regen.common.ledger.committed_index import committed_index
+from regen.common.ledger.job_ids import JobIds
 from regen.producer.enqueue_stats import EnqueueStats
 from regen.producer.input_refusals import Refusals
-from regen.producer.job_ids import JobIds
 from regen.producer.lost_turns import LostTurns, history_lost_letters
 from regen.producer.pending_prompt import Pending, turn_ids
 from regen.producer.rows import Reason

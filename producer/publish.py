@@ -25,7 +25,7 @@ from celery import Celery
 from regen.common import keys
 from regen.common.chunk_message import ChunkMessages
 from regen.common.jobspec import JobSpec
-from regen.producer.job_ids import ADD_IDS_LUA, JobIds
+from regen.common.ledger.job_ids import ADD_IDS_LUA, JobIds
 
 # KEYS: chunks hash, cursors hash, counters hash, then the bucket of each id
 # (keys.job_ids), then one key per LPUSH.

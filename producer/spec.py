@@ -9,9 +9,10 @@ from typing import Any
 
 import redis
 
-from regen.common import answer_ends, chat_family, defaults, id_buckets, keys, provenance, tokenizer
+from regen.common import answer_ends, chat_family, defaults, keys, provenance, tokenizer
 from regen.common import jobspec as jobspecs
 from regen.common.jobspec import PROMPT_TEXT_AS_WRITTEN, TURNS_LAST, JobSpec
+from regen.common.ledger import id_buckets
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from regen.common import connection, jobspec, keys
 from regen.options import ShardsLocation, redis_url_option
 
 if TYPE_CHECKING:
-    from regen.ops.recover import Recovery
+    from regen.consumers.tokenize.recover import Recovery
 
 # Names listed in a line; the rest are counted.
 _NAMED = 5
@@ -39,7 +39,7 @@ def recover(job: str, out_dir: Path | str, redis_url: str | None) -> None:
     Safe to rerun. Exit status 1 when the shards hold what it cannot mend (an unreadable
     shard, an id in two shards)."""
     from regen.consumers.tokenize.operator_view import job_folder
-    from regen.ops.recover import recover as recover_job
+    from regen.consumers.tokenize.recover import recover as recover_job
 
     try:
         keys.check_job_name(job)

@@ -14,7 +14,7 @@ from regen.common import connection, defaults, jobspec
 from regen.options import ShardsLocation, redis_url_option
 
 if TYPE_CHECKING:
-    from regen.ops.reconcile import Reconciliation
+    from regen.common.ledger.places import Reconciliation
 
 WATCH_INTERVAL_S = 2.0
 # Wide enough for a job's one-line rows when the output is not a terminal (a log, a pipe).

@@ -25,8 +25,8 @@ from rich.live import Live
 from regen.common import connection, defaults, jobspec, settings
 from regen.common.celery_app import make_app
 from regen.common.embedded_redis import EmbeddedRedis
+from regen.common.ledger.places import count_places
 from regen.demo_report import show_record, show_summary
-from regen.ops.accounting import count_places
 from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer
 from regen.producer.progress import ProgressDisplay, summary

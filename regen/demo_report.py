@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from regen.common import dlq, jobspec
+from regen.common.ledger.job_ids import JobIds
 from regen.consumers.tokenize.operator_view import iter_records, read_manifest, shard_paths
-from regen.producer.job_ids import JobIds
 
 # Tokens of the prompt's tail and of the answer shown around the loss-mask boundary.
 CONTEXT_TOKENS = 12

@@ -18,10 +18,10 @@ import redis
 
 from regen.common import dlq, jobspec, keys
 from regen.common.celery_app import make_app
+from regen.common.ledger.job_ids import JobIds
 from regen.common.queues import queued_chunks
 from regen.common.results import GeneratedResult
 from regen.producer.enqueue import Enqueuer
-from regen.producer.job_ids import JobIds
 from regen.producer.spec import JobOptions, prepare_job, save_job
 from tests.helpers import job_ids, write_jsonl
 from tests.redis_server import running_redis

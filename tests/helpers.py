@@ -131,14 +131,14 @@ SHAREGPT_TOOL_ROW: dict[str, Any] = {
 
 def job_ids(r: redis.Redis, job: str) -> set[str]:
     """Every id enqueued in the job (its bucketed id index)."""
-    from regen.producer.job_ids import JobIds
+    from regen.common.ledger.job_ids import JobIds
 
     return set(JobIds(r, job))
 
 
 def committed_count(r: redis.Redis, job: str) -> int:
     """Ids in the job's committed index (claimed or committed), as status counts them."""
-    from regen.consumers.tokenize.commit_ledger import CommitLedger
+    from regen.common.ledger.commit_ledger import CommitLedger
 
     return CommitLedger(r, job).count()[0]
 
@@ -146,7 +146,7 @@ def committed_count(r: redis.Redis, job: str) -> int:
 def drop_job_id(r: redis.Redis, job: str, pid: str) -> None:
     """Take an id out of the job's ids, as a Redis that lost it would have (only tests do)."""
     from regen.common import keys
-    from regen.producer.job_ids import JobIds
+    from regen.common.ledger.job_ids import JobIds
 
     (bucket,), (field,) = JobIds(r, job).index.keys_and_fields([pid])
     if r.hdel(bucket, field):

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 
 from regen.cli import main
 from regen.common import dlq, jobspec, keys
+from regen.common.ledger.job_ids import JobIds
 from regen.consumers.tokenize.job_folder import BucketJobFolder, folder_at
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.shard_files import iter_records
-from regen.producer.job_ids import JobIds
 from tests.bucket_stores import StoreServer, bucket_url, use_store
 from tests.helpers import committed_count, make_result, wait_for
 from tests.specforge_loader import specforge_prompts

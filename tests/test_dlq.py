@@ -24,10 +24,10 @@ from click.testing import CliRunner, Result
 from regen.cli_dlq import dlq_group
 from regen.common import crashpoints, dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.common.record import Reason as TokenizeReason
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.reasons import Reason as GenerateReason
-from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.requeue import CRASHPOINT
 from regen.producer.rows import Reason as InputReason

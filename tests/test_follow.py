@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from regen.cli import main
 from regen.common import jobspec, keys
+from regen.common.ledger.job_ids import JobIds
 from regen.common.queues import queue_lists
 from regen.producer.follow import Follower
-from regen.producer.job_ids import JobIds
 from tests.helpers import decode_message, write_jsonl
 from tests.test_enqueue import enqueue, queued_prompts
 

@@ -23,8 +23,8 @@ from regen.cli_dlq import dlq_group
 from regen.common import dlq, keys
 from regen.common.celery_app import CHUNK_CONTENT_TYPE, GENERATE_TASK, make_app
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.ledger.places import count_places
 from regen.consumers.generate import poison
-from regen.ops.accounting import count_places
 from tests.generate_harness import PROMPTS, Worker, all_generated, enqueue_prompts
 from tests.helpers import wait_for
 from tests.sglang_standin.process import StandinHandle, free_port, run_standin, start_standin

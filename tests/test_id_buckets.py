@@ -1,4 +1,4 @@
-"""The job's ids and its committed index in bucketed hashes (common/id_buckets.py): the
+"""The job's ids and its committed index in bucketed hashes (common/ledger/id_buckets.py): the
 stored form round-trips, the buckets stay compact, and counts, dedupe, the ledger and
 verify's findings are exactly what they were with one set and one hash."""
 
@@ -13,16 +13,18 @@ import redis
 from click.testing import CliRunner
 
 from regen.cli_status import status, verify
-from regen.common import id_buckets, jobspec, keys
+from regen.common import jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.jobspec import JobSpec, JobSpecError
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.consumers.tokenize.shard_files import OpenShard, append_manifest, shard_name
-from regen.ops.accounting import count_places
+from regen.common.ledger import id_buckets
+from regen.common.ledger.commit_ledger import CommitLedger
+from regen.common.ledger.job_ids import JobIds
+from regen.common.ledger.places import count_places
+from regen.common.ledger.shard_names import shard_name
+from regen.consumers.tokenize.recover import recover
+from regen.consumers.tokenize.shard_files import OpenShard, append_manifest
 from regen.ops.reconcile import reconcile
-from regen.ops.recover import recover
-from regen.producer.job_ids import JobIds
 from regen.producer.publish import ChunkPublisher
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import drop_job_id

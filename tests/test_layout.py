@@ -58,28 +58,62 @@ def test_pyproject_lists_every_package_folder() -> None:
     assert sorted(setuptools["packages"]) == sorted(folders)
 
 
-def imported_modules(folder: Path) -> dict[str, set[str]]:
-    found = {}
-    for path in sorted(folder.glob("*.py")):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-            elif isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
-        found[path.name] = names
-    return found
+# What each folder may import of regen (docs/design.md, Layout): arrows run from the
+# operator commands to the stages, from the stages to common/, and never back.
+MAY_IMPORT = {
+    "common": ("regen.common",),
+    "producer": ("regen.common", "regen.producer"),
+    "consumers": ("regen.common", "regen.consumers"),
+}
 
 
-def test_neither_the_producer_nor_common_imports_a_consumer() -> None:
-    for folder in ("producer", "common"):
-        modules = imported_modules(REPO / folder)
-        assert modules, folder
-        reaching = {
-            name: sorted(m for m in imported if m.startswith("regen.consumers"))
-            for name, imported in modules.items()
-        }
-        assert {name: m for name, m in reaching.items() if m} == {}, folder
+def regen_imports(path: Path) -> set[str]:
+    """The regen modules a file imports (absolute imports: the tree uses no other)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {name for name in names if name == "regen" or name.startswith("regen.")}
+
+
+def test_arrows_run_one_way() -> None:
+    """common/ (exactly-once state in common/ledger/ included) imports no stage; the
+    producer and the consumers import common/ and themselves, never each other, the CLI
+    or its operator code (regen/ops): a change to an operator command cannot reach a
+    stage, and a stage's state is read through common/ledger/."""
+    reaching = {}
+    for folder, allowed in MAY_IMPORT.items():
+        for path in python_files(folder):
+            wrong = sorted(
+                name
+                for name in regen_imports(path)
+                if not any(name == a or name.startswith(a + ".") for a in allowed)
+            )
+            if wrong:
+                reaching[str(path.relative_to(REPO))] = wrong
+    assert reaching == {}
+
+
+def test_exactly_once_state_has_one_home() -> None:
+    """The modules that write what proves where an id is live in common/ledger/ (its
+    `__init__` names each key's writer), and no module elsewhere defines a Lua script
+    that writes the committed index or the job's ids."""
+    ledger = REPO / "common" / "ledger"
+    assert {p.name for p in ledger.glob("*.py")} >= {
+        "commit_ledger.py", "committed_index.py", "job_ids.py", "places.py", "id_buckets.py",
+    }  # fmt: skip
+    doc = (ledger / "__init__.py").read_text()
+    for module in ("job_ids.py", "commit_ledger.py", "places.py"):
+        assert f"`{module}`" in doc
+    outside = [
+        str(path.relative_to(REPO))
+        for path in python_files("common", "producer", "consumers", "regen")
+        if not path.is_relative_to(ledger)
+        and ("def committed_index(" in path.read_text() or "ADD_IDS_LUA = " in path.read_text())
+    ]
+    assert outside == []
 
 
 CHUNK_LIFE = "regen.consumers.generate.chunk_life"
@@ -110,7 +144,7 @@ def test_one_writer_of_a_chunks_generated_marks() -> None:
     set (its scripts and `mark_generated`); lease.py only names the key for them."""
     writers = {
         str(path.relative_to(REPO))
-        for path in python_files("consumers")
+        for path in python_files("consumers/generate")
         if "chunk_generated(" in path.read_text() or "SADD', KEYS" in path.read_text()
     }
     assert writers == {

@@ -14,10 +14,10 @@ import redis
 
 from regen.common import keys
 from regen.common.celery_app import make_app
+from regen.common.ledger.places import text
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.turns import CRASHPOINT
 from regen.consumers.tokenize.shard_files import shard_paths
-from regen.ops.accounting import text
 from regen.producer.enqueue import Enqueuer
 from tests.generate_harness import all_acked, result_ids, results
 from tests.helpers import job_ids, wait_for

@@ -8,9 +8,9 @@ import orjson
 import redis
 
 from regen.common import jobspec, keys
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.commit_ledger import CommitLedger
-from regen.ops.recover_turns import resume_after_shards
+from regen.consumers.tokenize.recover_turns import resume_after_shards
 from regen.producer.spec import JobOptions, prepare_job
 
 

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from regen.cli_status import verify
 from regen.common import dlq, keys
 from regen.common.jobspec import JobSpec
-from regen.producer.job_ids import JobIds
+from regen.common.ledger.job_ids import JobIds
 from tests.generate_harness import (
     PROMPTS,
     VISIBILITY_TIMEOUT_S,

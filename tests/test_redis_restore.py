@@ -20,13 +20,13 @@ from click.testing import CliRunner, Result
 
 from regen.cli import main
 from regen.common import dlq, jobspec, keys
+from regen.common.ledger.shard_names import shard_name
 from regen.consumers.tokenize.shard_files import (
     OpenShard,
     ShardExists,
     iter_ids,
     place,
     read_manifest,
-    shard_name,
     shard_paths,
 )
 from tests.generate_harness import REPO, Worker

@@ -12,8 +12,8 @@ import redis
 
 from regen.common import jobspec, keys
 from regen.consumers.tokenize.job_folder import LocalFolder
+from regen.consumers.tokenize.recover import Recovery
 from regen.consumers.tokenize.self_recovery import RecoveryLock, recover_behind
-from regen.ops.recover import Recovery
 from tests.helpers import committed_count, make_result, wait_for, write_jsonl
 from tests.test_redis_restore import JOB, dump_all, enqueue_args, regen, restore_all
 from tests.tokenize_harness import InProcess, options, push

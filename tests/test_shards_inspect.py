@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from regen.cli_shards import shards_group
+from regen.common.ledger.shard_names import shard_name
 from regen.common.record import RECORD_SCHEMA
 from regen.consumers.tokenize.shard_files import (
     MANIFEST,
@@ -23,7 +24,6 @@ from regen.consumers.tokenize.shard_files import (
     iter_records,
     place,
     read_manifest,
-    shard_name,
     shard_paths,
 )
 from regen.ops.shards_inspect import stats, verify

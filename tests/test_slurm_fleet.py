@@ -28,8 +28,8 @@ import pytest
 import redis
 
 from regen.common import dlq, jobspec, keys
+from regen.common.ledger.job_ids import JobIds
 from regen.consumers.tokenize.shard_files import iter_ids, shard_paths
-from regen.producer.job_ids import JobIds
 from tests.generate_harness import REPO, VISIBILITY_TIMEOUT_S
 from tests.helpers import job_ids, write_jsonl
 from tests.redis_server import free_port, running_redis

@@ -28,11 +28,11 @@ from click.testing import CliRunner, Result
 from regen.cli_status import status, verify
 from regen.common import dlq, jobspec, keys
 from regen.common.jobspec import JobSpec
+from regen.common.ledger.commit_ledger import CommitLedger, Sample
+from regen.common.ledger.job_ids import JobIds
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.commit_ledger import CommitLedger, Sample
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
 from regen.ops.status_snapshot import window_rates
-from regen.producer.job_ids import JobIds
 from tests.generate_harness import REPO, Worker, enqueue_prompts
 from tests.helpers import (
     committed_count,

@@ -12,6 +12,8 @@ import pytest
 import redis
 
 from regen.common import dlq, jobspec, keys
+from regen.common.ledger.job_ids import JobIds
+from regen.common.ledger.places import count_places
 from regen.common.record import Reason
 from regen.common.results import FIELD, GeneratedResult
 from regen.consumers.tokenize.entries import (
@@ -21,9 +23,7 @@ from regen.consumers.tokenize.entries import (
     Unreadable,
     read_entry,
 )
-from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile
-from regen.producer.job_ids import JobIds
 from regen.producer.spec import JobOptions, prepare_job
 from tests.helpers import make_result, wait_for
 from tests.test_tokenize_stage import InProcess, options, settled, shard_ids

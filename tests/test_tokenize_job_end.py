@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from regen.common import keys
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.common.queues import queue_lists
 from regen.consumers.tokenize import job_end
-from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.job_end import JobEnd
 from regen.consumers.tokenize.shard_files import read_manifest
 from tests.generate_harness import Worker, enqueue_prompts

@@ -18,9 +18,9 @@ import redis
 from rich.console import Console
 
 from regen.common import dlq, jobspec, keys, provenance
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.consumers.tokenize import consumer as tokenize_consumer
 from regen.consumers.tokenize import job_writer
-from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.consumer import free_bytes
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.ops.shards_inspect import verify

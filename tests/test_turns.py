@@ -18,14 +18,14 @@ from regen.common import dlq, jobspec, keys
 from regen.common.chat_family import render_prompt_ids
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, turn_id
+from regen.common.ledger.commit_ledger import CommitLedger
+from regen.common.ledger.places import count_places
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import load_job_chat
 from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn, resume
-from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.shard_files import ShardInfo
-from regen.ops.accounting import count_places
 from regen.producer.conversations import split_turns
 from regen.producer.rows import BadRow, to_prompt
 from regen.producer.spec import JobOptions, prepare_job

@@ -18,10 +18,10 @@ from regen.cli_status import verify
 from regen.common import dlq, jobspec
 from regen.common.celery_app import make_app
 from regen.common.chat_family import render_prompt_ids
+from regen.common.ledger.places import count_places
 from regen.common.results import GeneratedResult
 from regen.consumers.generate.turns import CRASHPOINT
 from regen.consumers.tokenize.shard_files import iter_records, shard_paths
-from regen.ops.accounting import count_places
 from regen.producer.enqueue import Enqueuer
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job
 from tests.generate_harness import (

@@ -18,6 +18,7 @@ from regen.common.celery_app import broker, make_app
 from regen.common.chunk import Chunk
 from regen.common.chunk_message import ChunkMessages
 from regen.common.jobspec import JobSpec
+from regen.common.ledger.places import count_places
 from regen.consumers.generate.chunk_life import (
     ChunkLease,
     LeaseBook,
@@ -28,7 +29,6 @@ from regen.consumers.generate.chunk_life import (
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.flow_control import HOLD_OFF_S, chunk_limit, keeps_slack
 from regen.consumers.generate.peers import CACHE_S, CLAIM_S, FRESH_S, TAKE_S, PeerView
-from regen.ops.accounting import count_places
 from regen.ops.reconcile import reconcile
 from tests.generate_harness import (
     Worker,

@@ -148,7 +148,7 @@ def _single_argument(body: Any) -> dict[str, Any]:
 
 def entry_id(raw: bytes, verdict: Verdict) -> str:
     """Stable per message, so dead-lettering it twice overwrites: its task id, else a hash
-    of its bytes (`task:` marks an entry without a prompt; see accounting.py)."""
+    of its bytes (`task:` marks an entry without a prompt; see common/ledger/places.py)."""
     if verdict.task_id and len(verdict.task_id) <= TASK_ID_LIMIT:
         return f"task:{verdict.task_id}"
     return f"task:raw-{hashlib.blake2b(raw, digest_size=8).hexdigest()}"

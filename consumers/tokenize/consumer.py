@@ -25,9 +25,9 @@ from regen.common.backoff import REDIS_RETRY
 from regen.common.chat_family import detect_family
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.heartbeat import last_seen
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.common.record import RecordContext
 from regen.common.tokenizer import TokenizerMismatch, load_job_tokenizer
-from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.job_end import JobEnd
 from regen.consumers.tokenize.job_folder import (
     JobFolder,

@@ -9,7 +9,7 @@ Two readings, the cheap one first:
   row) and a result on the stream twice (a chunk that ran twice) count too, so the
   bound can say "maybe" early but never "no" wrongly: while it says no, some prompt is
   still waiting, generating or in no place, and nothing more is read;
-- the count `regen status` takes (ops/accounting.count_places, O(window)): no prompt
+- the count `regen status` takes (common/ledger/places.count_places, O(window)): no prompt
   waiting, none generating, none in no place (a chunk kombu is delivering). Taken at
   most every EXACT_EVERY_S, so a bound that says "maybe" for long (many bad rows)
   costs little.
@@ -30,8 +30,8 @@ import redis
 
 from regen.common import keys
 from regen.common.jobspec import JobSpec
-from regen.consumers.tokenize.commit_ledger import COUNT_LUA, CommitLedger
-from regen.ops.accounting import count_places
+from regen.common.ledger.commit_ledger import COUNT_LUA, CommitLedger
+from regen.common.ledger.places import count_places
 
 # The bound is read at most this often per job with an open shard: one O(1) script a
 # second, whatever the job's size; the last shard is committed within about this long

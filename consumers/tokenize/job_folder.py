@@ -20,6 +20,7 @@ import orjson
 
 from regen.common import crashpoints, provenance
 from regen.common.bucket_folder import BucketError, BucketFolder, ObjectExists, is_bucket_url
+from regen.common.ledger.shard_names import shard_number
 from regen.consumers.tokenize import shard_files
 from regen.consumers.tokenize.shard_files import (
     MAX_MANIFEST_LINE,
@@ -28,7 +29,6 @@ from regen.consumers.tokenize.shard_files import (
     ShardInfo,
     UnwritableFolder,
     parse_manifest_lines,
-    shard_number,
     tmp_path,
 )
 

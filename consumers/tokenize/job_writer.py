@@ -23,10 +23,11 @@ import redis
 
 from regen.common import crashpoints, defaults, dlq, keys, provenance
 from regen.common.connection import OUTAGE_ERRORS
-from regen.common.id_buckets import BucketedIds
+from regen.common.ledger.commit_ledger import CLAIM_MARGIN_S, CommitLedger, PendingShard
+from regen.common.ledger.id_buckets import BucketedIds
+from regen.common.ledger.shard_names import shard_name
 from regen.common.record import CheckFailed, Reason, RecordContext, build_record
 from regen.common.results import GeneratedResult
-from regen.consumers.tokenize.commit_ledger import CLAIM_MARGIN_S, CommitLedger, PendingShard
 from regen.consumers.tokenize.entries import Unreadable, read_entry
 from regen.consumers.tokenize.job_folder import JobFolder, ShardRef
 from regen.consumers.tokenize.ledger_vs_disk import (
@@ -43,7 +44,6 @@ from regen.consumers.tokenize.shard_files import (
     leftover_owner,
     owner_token,
     rewrite_without,
-    shard_name,
     tmp_path,
 )
 
@@ -99,7 +99,7 @@ class JobWriter:
         self.counters = WriterCounters()
         self._r = r
         self._ledger = CommitLedger(r, job)
-        # The job's ids (producer/job_ids.py), to tell whether an unreadable entry's id
+        # The job's ids (common/ledger/job_ids.py), to tell whether an unreadable entry's id
         # is a prompt of the job.
         self._job_ids = BucketedIds(r, context.spec.id_buckets, lambda b: keys.job_ids(job, b))
         self._context = context

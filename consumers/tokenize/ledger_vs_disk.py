@@ -8,7 +8,7 @@ ids twice (and, renaming over a name, destroy a committed shard). So the tokeniz
 checks, when it opens a job and before each commit, that Redis knows every shard file
 (in place or pending) and that its epoch is not older than the newest the manifest
 records, and stops writing the job otherwise until the ledger is rebuilt from the
-folder (regen/ops/recover.py): the tokenize worker that finds it runs that itself, once
+folder (consumers/tokenize/recover.py): the tokenize worker that finds it runs that itself, once
 across the workers (self_recovery.py); an operator may run it as `regen recover`.
 `regen status` runs the same check where it can read the folder.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.consumers.tokenize.job_folder import JobFolder
 
 # Unknown shards named in a message; the rest are counted.

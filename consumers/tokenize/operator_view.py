@@ -5,7 +5,8 @@ shard folder. regen/ops imports the tokenize stage from here only, so the stage'
 modules can change without touching them.
 """
 
-from regen.consumers.tokenize.commit_ledger import COUNT_LUA, CommitLedger, Sample
+from regen.common.ledger.commit_ledger import COUNT_LUA, CommitLedger, Sample
+from regen.common.ledger.shard_names import shard_number
 from regen.consumers.tokenize.job_folder import (
     JobFolder,
     LocalFolder,
@@ -27,7 +28,6 @@ from regen.consumers.tokenize.shard_files import (
     iter_job_ids,
     iter_records,
     read_manifest,
-    shard_number,
     shard_paths,
     temp_files,
 )

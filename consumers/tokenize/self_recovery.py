@@ -1,5 +1,5 @@
 """A tokenize worker that finds Redis behind a job's shard folder rebuilds the job's
-ledger itself (regen/ops/recover.py), once, under a lock, and then writes on.
+ledger itself (consumers/tokenize/recover.py), once, under a lock, and then writes on.
 
 The rebuild needs the shard folder, and the tokenize worker is where the folder is.
 Several workers may find the same rollback at once (each checks at its job refresh and
@@ -22,10 +22,10 @@ import uuid
 import redis
 
 from regen.common import defaults, jobspec, keys
-from regen.consumers.tokenize.commit_ledger import CommitLedger
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.consumers.tokenize.job_folder import JobFolder
 from regen.consumers.tokenize.ledger_vs_disk import check, manifest_epoch
-from regen.ops.recover import Recovery, recover
+from regen.consumers.tokenize.recover import Recovery, recover
 
 log = logging.getLogger("regen.tokenize")
 

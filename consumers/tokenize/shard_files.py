@@ -35,6 +35,7 @@ import orjson
 import zstandard
 
 from regen.common import crashpoints, defaults
+from regen.common.ledger.shard_names import SHARD_GLOB, SHARD_PREFIX
 from regen.common.zstd_reader import open_zstd
 
 log = logging.getLogger("regen.tokenize")
@@ -44,9 +45,6 @@ MANIFEST = "manifest.jsonl"
 MAX_MANIFEST_LINE = 64 << 10
 _SKIP_BLOCK = 1 << 16
 _HASH_BLOCK = 1 << 20
-_SHARD_PREFIX = "shard-"
-_SHARD_SUFFIX = ".jsonl.zst"
-SHARD_GLOB = f"{_SHARD_PREFIX}*{_SHARD_SUFFIX}"
 TMP_SUFFIX = ".tmp"
 REWRITE_SUFFIX = ".rewrite"
 # What reading a damaged shard raises: a cut or corrupt zstd frame (zstandard.ZstdError,
@@ -78,17 +76,6 @@ def _open(source: Source) -> IO[bytes]:
     return open(source, "rb") if isinstance(source, Path) else source.open()
 
 
-def shard_name(seq: int) -> str:
-    return f"{_SHARD_PREFIX}{seq:06d}{_SHARD_SUFFIX}"
-
-
-def shard_number(name: str) -> int | None:
-    """The sequence number in a shard's name (None for any other name)."""
-    digits = name.removeprefix(_SHARD_PREFIX).removesuffix(_SHARD_SUFFIX)
-    is_shard = name.startswith(_SHARD_PREFIX) and name.endswith(_SHARD_SUFFIX)
-    return int(digits) if is_shard and digits.isdigit() else None
-
-
 def shard_paths(folder: Path) -> list[Path]:
     """The shards in place in a job folder, in order."""
     return sorted(folder.glob(SHARD_GLOB))
@@ -118,7 +105,7 @@ def leftover_owner(path: Path) -> str | None:
     """The writer token of a temporary shard file (or its rewrite staging file), None for
     any other file."""
     name = path.name.removesuffix(REWRITE_SUFFIX)
-    if not (name.startswith(f".{_SHARD_PREFIX}") and name.endswith(TMP_SUFFIX)):
+    if not (name.startswith(f".{SHARD_PREFIX}") and name.endswith(TMP_SUFFIX)):
         return None
     return name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
 

@@ -1,5 +1,6 @@
-"""What only the operator commands use: `regen status` (status_snapshot, accounting),
-`regen verify` (reconcile, reconcile_shards, locate), `regen shards` (shards_inspect) and
-`regen dlq requeue` (requeue). The stages never import from here; these modules read the
-stages' stored state through the modules that own it (the commit ledger, the shard files).
+"""What only the operator commands use: `regen status` (status_snapshot), `regen verify`
+(reconcile, reconcile_shards), `regen shards` (shards_inspect, exports) and `regen dlq
+requeue` (requeue). No stage imports from here (tests/test_layout.py); these modules
+read exactly-once state through common/ledger/ and the shard files through the tokenize
+stage's face (consumers/tokenize/operator_view.py).
 """

@@ -4,7 +4,7 @@ live workers per host and Redis memory (docs/design.md, Monitoring).
 
 Generate workers come and go, so nothing here depends on which of them is up: every
 number is read from Redis, as `regen status` reads it (ops/status_snapshot.py), and the
-two agree by construction. A read is O(window) per job (ops/accounting.py): counters,
+two agree by construction. A read is O(window) per job (common/ledger/places.py): counters,
 the chunks now waiting or in flight, the DLQs' reasons, never the job's ids. Reads are
 cached for `refresh_s`: a scrape serves the last reading, and however many Prometheus
 servers scrape, Redis is read at most once per interval.
@@ -31,7 +31,7 @@ from regen.ops import status_snapshot
 
 log = logging.getLogger("regen.metrics")
 
-# The places a prompt can be (ops/accounting.py), as `regen status` names them.
+# The places a prompt can be (common/ledger/places.py), as `regen status` names them.
 PLACES = ("waiting", "in_flight", "done", "dead_lettered", "purged")
 
 

@@ -10,12 +10,13 @@ files through the shard module.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 
 import orjson
 import redis
 
 from regen.common import keys
+from regen.common.ledger.places import batches
 from regen.consumers.tokenize.operator_view import (
     READ_ERRORS,
     CommitLedger,
@@ -26,20 +27,7 @@ from regen.consumers.tokenize.operator_view import (
     iter_ids,
 )
 
-BATCH = 1000
-
 Report = Callable[[str, str, str], None]  # kind, subject, detail
-
-
-def batches(items: Iterable[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def shard_folder(r: redis.Redis, job: str) -> JobFolder | None:

@@ -37,8 +37,8 @@ from regen.common import chat_family, crashpoints, dlq, keys
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import BLOCKED, Conversation
 from regen.common.jobspec import SAMPLING_KEYS, JobSpec, JobSpecError
+from regen.common.ledger.places import is_prompt_entry
 from regen.common.results import FIELD, GeneratedResult
-from regen.ops.accounting import is_prompt_entry
 from regen.producer.publish import ChunkPublisher
 from regen.producer.rows import Reason as InputReason
 

@@ -1,7 +1,7 @@
 """What `regen status` reports, as one JSON-ready document: per job its prompt counts,
 rates, ETA, shards and warnings; per worker its last heartbeat.
 
-Every count is O(window) or O(1) in Redis (ops/accounting.py), so it can be redrawn
+Every count is O(window) or O(1) in Redis (common/ledger/places.py), so it can be redrawn
 every few seconds on a 1M-prompt job; `regen verify` is the exact, id-by-id check.
 """
 
@@ -24,6 +24,7 @@ from regen.common import (
     tokenizer_refusals,
 )
 from regen.common.jobspec import JobSpec
+from regen.common.ledger import places
 from regen.consumers.tokenize.operator_view import (
     CommitLedger,
     LocalFolder,
@@ -31,7 +32,6 @@ from regen.consumers.tokenize.operator_view import (
     behind_message,
     folder_at,
 )
-from regen.ops import accounting
 
 
 def window_rates(samples: list[Sample], now: Sample, window_s: float) -> tuple[float, float] | None:
@@ -89,7 +89,7 @@ def job_status(
     r: redis.Redis, spec: JobSpec, workers: list[dict[str, Any]], window_s: float
 ) -> dict[str, Any]:
     job = spec.name
-    counts = accounting.count_places(r, spec)
+    counts = places.count_places(r, spec)
     ledger = CommitLedger(r, job)
     totals = ledger.totals()
     raw_output = r.hget(keys.TOKENIZE_OUTPUTS, job)
@@ -190,7 +190,7 @@ def worker_status(r: redis.Redis) -> list[dict[str, Any]]:
         beat = orjson.loads(raw)
         age = now - float(beat.get("last_seen", 0))
         beat.update(
-            name=accounting.text(name), age_s=age, stale=age > settings.current().heartbeat_stale_s,
+            name=places.text(name), age_s=age, stale=age > settings.current().heartbeat_stale_s,
             queues=beat.get("queues") or [],
         )  # fmt: skip
         out.append(beat)

@@ -27,10 +27,10 @@ from click.testing import CliRunner, Result
 from regen.cli import main
 from regen.common import connection, dlq, jobspec, keys, settings
 from regen.common.chat_family import render_prompt_ids
+from regen.common.ledger.commit_ledger import CommitLedger
 from regen.common.quality_flags import DEFAULT_DROP_FLAGS
 from regen.common.queues import queue_lists
 from regen.common.samples import sample_id
-from regen.consumers.tokenize.commit_ledger import CommitLedger
 from regen.consumers.tokenize.job_folder import job_folder
 from regen.consumers.tokenize.shard_files import iter_records
 from regen.producer.conversations import job_prompt

@@ -1,6 +1,6 @@
 """The read side of a job's exactly-once index: which ids a shard holds (or claims).
 
-The tokenize stage's commit ledger (consumers/tokenize/commit_ledger.py) writes the index; the
+The tokenize stage's commit ledger (common/ledger/commit_ledger.py) writes the index; the
 producer reads it to skip prompts already settled (after `regen recover`) without
 reaching into a consumer (docs/design.md, Exactly-once commits).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import redis
 
 from regen.common import jobspec, keys
-from regen.common.id_buckets import BucketedIds
+from regen.common.ledger.id_buckets import BucketedIds
 
 
 def committed_index(r: redis.Redis, job: str) -> BucketedIds:

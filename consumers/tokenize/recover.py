@@ -31,24 +31,19 @@ from pathlib import Path
 import redis
 
 from regen.common import jobspec, keys
-from regen.common.conversation import split_turn_id, turn_id
-from regen.consumers.tokenize.operator_view import (
+from regen.common.ledger.commit_ledger import CommitLedger
+from regen.common.ledger.job_ids import reread_from_start
+from regen.common.ledger.places import batches, forget_missing, missing_ids
+from regen.common.ledger.shard_names import shard_number
+from regen.consumers.tokenize.job_folder import JobFolder, ShardRef, as_folder
+from regen.consumers.tokenize.ledger_vs_disk import manifest_epoch
+from regen.consumers.tokenize.recover_turns import LostAnswers, resume_after_shards
+from regen.consumers.tokenize.shard_files import (
     READ_ERRORS,
-    CommitLedger,
-    JobFolder,
     ShardInfo,
-    ShardRef,
-    as_folder,
     describe,
     iter_ids,
-    manifest_epoch,
-    shard_number,
 )
-from regen.ops.reconcile import missing_ids
-from regen.ops.reconcile_shards import batches
-from regen.ops.recover_turns import LostAnswers, resume_after_shards
-from regen.producer.enqueue import reread_from_start
-from regen.producer.job_ids import JobIds
 
 
 @dataclass
@@ -143,22 +138,6 @@ def recover(r: redis.Redis, job: str, where: JobFolder | Path | str) -> Recovery
     # The ledger is whole again: the job's follower may forget ids and queue again.
     r.delete(keys.job_behind(job))
     return report
-
-
-def forget_missing(r: redis.Redis, spec: jobspec.JobSpec, missing: list[str]) -> int:
-    """Take the ids in no place (`regen verify`'s `missing`, reconcile.missing_ids) out
-    of the job's ids, so that the job's enqueue, reading its files from the first row,
-    queues them again.
-    An id goes missing when its chunk does: popped off the queue by a worker but never
-    recorded in `unacked` (kombu's BRPOP-then-HSET window), as when Redis dies between
-    popping it and answering. With `--turns all` the first turn of each conversation
-    with a turn missing goes too: that is how the enqueue finds a conversation to
-    resume after its settled turns (producer/lost_turns.py), on the answers this
-    recovery saves from the shards. Returns how many ids were taken out."""
-    if spec.turns == jobspec.TURNS_ALL:
-        firsts = {turn_id(split_turn_id(tid)[0], 0) for tid in missing}
-        missing = sorted(set(missing) | firsts)
-    return JobIds(r, spec.name).remove(missing)
 
 
 def _restore_shard(

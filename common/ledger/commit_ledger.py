@@ -2,7 +2,7 @@
 
 Commit protocol for a shard (the file is already durably written under its temp name):
 1. claim: one Lua script maps every id of the shard to it in the job's `committed` index
-   (bucketed hashes, common/id_buckets.py; a regular shard name stored as its number)
+   (bucketed hashes, common/ledger/id_buckets.py; a regular shard name stored as its number)
    and records the shard as pending with its claim's expiry, or, if any id already belongs to
    another shard, claims nothing and names those ids (the caller drops them, rewrites the
    temp file, and claims again);
@@ -35,10 +35,10 @@ import orjson
 import redis
 
 from regen.common import keys, settings
-from regen.common.committed_index import committed_index
 from regen.common.connection import bytes_hash
+from regen.common.ledger.committed_index import committed_index
+from regen.common.ledger.shard_names import shard_name, shard_number
 from regen.common.quality_flags import FLAGS
-from regen.consumers.tokenize.shard_files import shard_name, shard_number
 
 # A claim is good for CLAIM_S; the owner renames only with CLAIM_MARGIN_S to spare, so
 # a recovery (after expiry) never races a rename. A claim, not a lease: a chunk's lease
@@ -170,7 +170,7 @@ return {before, after}
 _NAMES_BATCH = 1000
 
 # For a read script of an operator command that counts the ledger in the same atomic
-# reading as other keys (ops/accounting.count_places): prepend it to the script and call
+# reading as other keys (common/ledger/places.count_places): prepend it to the script and call
 # ledger_count with the keys of CommitLedger.count_keys(), in order. Returns the ids
 # committed or claimed, and the ids claimed by shards still pending.
 COUNT_LUA = f"""

@@ -40,18 +40,12 @@ from regen.common.conversation import (
     turn_id,
 )
 from regen.common.jobspec import JobSpec
+from regen.common.ledger.commit_ledger import CommitLedger
+from regen.common.ledger.job_ids import JobIds
+from regen.common.ledger.places import MESSAGES_PER_CALL, batches, decode_chunk_message, text
 from regen.common.queues import queue_lists
-from regen.consumers.tokenize.operator_view import (
-    READ_ERRORS,
-    CommitLedger,
-    JobFolder,
-    ShardRef,
-    iter_records,
-)
-from regen.ops.accounting import MESSAGES_PER_CALL, text
-from regen.ops.locate import decode_chunk_message
-from regen.ops.reconcile_shards import batches
-from regen.producer.job_ids import JobIds
+from regen.consumers.tokenize.job_folder import JobFolder, ShardRef
+from regen.consumers.tokenize.shard_files import READ_ERRORS, iter_records
 
 
 @dataclass

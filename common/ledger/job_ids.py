@@ -1,5 +1,5 @@
 """The job's ids: every prompt id ever enqueued in a job, in bucketed hashes
-(common/id_buckets.py) with their number kept in the job's counters.
+(common/ledger/id_buckets.py) with their number kept in the job's counters.
 
 The publish script (producer/publish.py) records the ids of each chunk it queues with
 ADD_IDS_LUA; a prompt refused at enqueue, or one found settled though Redis lost it,
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import redis
 
 from regen.common import jobspec, keys
-from regen.common.id_buckets import BucketedIds
+from regen.common.ledger.id_buckets import BucketedIds
 
 # add_ids(counters, first, n, at): records the ids whose fields are ARGV[at..at+n-1],
 # each in its bucket KEYS[first..first+n-1], and counts the new ones.
@@ -76,3 +76,15 @@ class JobIds:
     def __iter__(self) -> Iterator[str]:
         """Every id of the job, each once (a bucket is read whole)."""
         return (pid for pid, _ in self.index.items())
+
+
+def reread_from_start(r: redis.Redis, job: str) -> int:
+    """Drop the job's resume cursors, so its next enqueue reads every file from the first
+    row (after `regen recover`: cursors restored from an older copy, or moved on by a
+    producer that kept running, can be past prompts Redis lost). Enqueued, committed and
+    dead-lettered prompts are skipped on the way. Returns how many cursors there were."""
+    pipe = r.pipeline()
+    pipe.hlen(keys.job_cursors(job))
+    pipe.delete(keys.job_cursors(job))
+    dropped, _ = pipe.execute()
+    return int(dropped)
