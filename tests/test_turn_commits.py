@@ -22,7 +22,7 @@ from regen.common import dlq, jobspec, keys
 from regen.common.chat_family import detect_family
 from regen.common.chunk import Chunk
 from regen.consumers.generate import turns
-from regen.consumers.generate.chunk_life import LeaseLost
+from regen.consumers.generate.chunk_life import DeliveryEnd
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
@@ -133,9 +133,9 @@ def test_a_stale_delivery_writes_nothing_for_turns_the_new_one_committed(
         assert handed_off(r) == Counter(prompt.accounted_ids[:1])
         taken = run_chunk(live, chunk, TAG)  # the redelivery, with the same tag
         assert (taken.generated, taken.skipped, taken.dead_lettered) == (2, 1, 0)
+        assert taken.end is DeliveryEnd.ACKED
         wake.set()
-        with pytest.raises(LeaseLost):
-            first.result(60)
+        assert first.result(60).end is DeliveryEnd.DROPPED
     assert handed_off(r) == Counter(prompt.accounted_ids), "each turn exactly once"
     assert dlq.count(r, "j", "generate") == 0
     assert stale.inflight == 0 and live.inflight == 0
@@ -202,8 +202,9 @@ def test_turns_failing_together_leave_no_prompt_counted_in_flight(
     monkeypatch.setattr(
         turns, "wait", lambda fs, timeout, return_when: concurrent.futures.wait(fs, None, every)
     )
-    with pytest.raises(RuntimeError, match="engine bug"):
-        run_chunk(ctx, chunk, TAG)
+    failed = run_chunk(ctx, chunk, TAG)
+    assert failed.end is DeliveryEnd.FAILED and "engine bug" in failed.reason
+    assert isinstance(failed.error, RuntimeError)
     assert ctx.inflight == 0
     assert handed_off(r) == Counter()
 
@@ -228,8 +229,8 @@ def test_a_delivery_whose_turn_a_redis_rollback_lost_is_not_acknowledged(
         elif turn == 2:
             restore_all(r, copy)
 
-    with pytest.raises(LeaseLost):
-        run_chunk(contexts(smollm2_tokenizer, at_turn), chunk, TAG)
+    refused = run_chunk(contexts(smollm2_tokenizer, at_turn), chunk, TAG)
+    assert refused.end is DeliveryEnd.DROPPED
     assert handed_off(r) == Counter(ids[:1])
     assert r.zscore(keys.KOMBU_UNACKED_INDEX, TAG) is not None, "left for the sweep"
     again = run_chunk(contexts(smollm2_tokenizer, name="next"), chunk, TAG)
@@ -297,8 +298,7 @@ def test_a_renewal_that_finds_the_lease_lost_stops_the_turns_at_once(
             contexts(smollm2_tokenizer).leases.start("j", chunk.chunk_id, TAG, "other")
             ctx.leases.renew()  # the heartbeat
             # Turn 1 would hang 60 s: the chunk ends well before.
-            with pytest.raises(LeaseLost):
-                running.result(30)
+            assert running.result(30).end is DeliveryEnd.DROPPED
         finally:
             never.set()
     assert ctx.inflight == 0

@@ -1,5 +1,6 @@
-"""Run one chunk: generate every prompt, hand each result to the tokenize stage, and
-dead-letter what a healthy engine refuses.
+"""What a delivery of a chunk does with its open prompts (chunk_life/delivery.py runs
+the delivery itself): generate every prompt, hand each result to the tokenize stage,
+and dead-letter what a healthy engine refuses.
 
 Each result is handed off (XADD on the job's results stream) in the same script that
 marks the prompt generated for this chunk (the results finished by then go together,
@@ -16,25 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import queue
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 
-from regen.common import crashpoints, defaults
+from regen.common import defaults
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.common.connection import OUTAGE_ERRORS
 from regen.consumers.generate.chunk_life import (
-    BEFORE_ACK,
     Attempt,
     ChunkDeferred,
     ChunkLease,
+    Delivery,
     LeaseLost,
-    attempts_spent,
+    deliver,
     hand_off,
-    read_generated,
     write_dead_letters,
 )
 from regen.consumers.generate.context import ChunkContext
@@ -45,15 +43,6 @@ from regen.consumers.generate.prompt_outcomes import dead_letter, generated_resu
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.turn_state import dead_letter_conversation
 from regen.consumers.generate.turns import run_conversations
-
-log = logging.getLogger("regen.generate")
-
-
-@dataclass(frozen=True)
-class ChunkOutcome:
-    generated: int
-    skipped: int
-    dead_lettered: int
 
 
 def _dead_letter_all(
@@ -127,62 +116,28 @@ def _reject(
     write_dead_letters(ctx, lease, fill, prompt_id=prompt.id)
 
 
-def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> ChunkOutcome:
-    """Run one delivery of a chunk (`tag`: kombu's delivery tag) and settle it.
-
-    Raises LeaseLost when another delivery took the chunk (nothing more was written),
-    ChunkDeferred when it was given back, and any unexpected error after giving it back
-    with its attempt marked failed (past max_attempts failed or dead deliveries, the
-    next delivery dead-letters it).
-    """
-    ctx.count_chunks(1)
-    try:
-        lease, history = ctx.leases.start(chunk.job, chunk.chunk_id, tag, ctx.worker)
-        try:
-            return _run_chunk(ctx, lease, chunk, history)
-        except LeaseLost:
-            lease.record_lost(ctx.redis, ctx.worker)
-            raise
-        finally:
-            ctx.leases.release(lease)
-    finally:
-        ctx.count_chunks(-1)
+def run_chunk(ctx: ChunkContext, chunk: Chunk, tag: str | None = None) -> Delivery:
+    """Run one delivery of a chunk (`tag`: kombu's delivery tag) and settle it: how it
+    ended (chunk_life.Delivery: acked, returned, failed or dropped) and its counts."""
+    return deliver(ctx, chunk, tag, PromptWork(ctx, chunk))
 
 
-def _run_chunk(
-    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, history: list[Attempt]
-) -> ChunkOutcome:
-    done = read_generated(ctx.redis, chunk)
-    todo = [p for p in chunk.prompts if not done.issuperset(p.accounted_ids)]
-    spent = attempts_spent(history, lease.attempt, ctx.max_attempts)
-    if spent is not None:
-        log.error(
-            "chunk %s: %d deliveries died or failed; dead-lettering its %d open prompts",
-            chunk.chunk_id,
-            spent,
-            len(todo),
-        )
-        dead_lettered = _dead_letter_all(ctx, lease, chunk, todo, done, history)
-        lease.finish(ctx.redis, ctx.worker, "dead_lettered")
-        return ChunkOutcome(0, len(done), dead_lettered)
-    try:
+@dataclass
+class PromptWork:
+    """The generate stage's work on a chunk's open prompts (chunk_life.ChunkWork)."""
+
+    ctx: ChunkContext
+    chunk: Chunk
+
+    def run(self, lease: ChunkLease, todo: list[ChunkPrompt], done: set[str]) -> tuple[int, int]:
         if any(p.conversation is not None for p in todo):
-            generated, dead_lettered = run_conversations(ctx, lease, chunk, todo, done)
-        else:
-            generated, dead_lettered = _generate_all(ctx, lease, chunk, todo)
-    except LeaseLost:
-        raise  # nothing to record: the chunk is another's
-    except OUTAGE_ERRORS:
-        raise  # nothing can be recorded: its lease runs out and it comes back
-    except ChunkDeferred:
-        lease.give_back(ctx.redis, ctx.worker, "returned")  # not a failure of the chunk
-        raise
-    except Exception as exc:
-        lease.give_back(ctx.redis, ctx.worker, "failed", error=repr(exc))
-        raise
-    crashpoints.hit(BEFORE_ACK)  # every prompt settled, the chunk not acknowledged
-    lease.finish(ctx.redis, ctx.worker)
-    return ChunkOutcome(generated, len(done), dead_lettered)
+            return run_conversations(self.ctx, lease, self.chunk, todo, done)
+        return _generate_all(self.ctx, lease, self.chunk, todo)
+
+    def dead_letter_all(
+        self, lease: ChunkLease, todo: list[ChunkPrompt], done: set[str], history: list[Attempt]
+    ) -> int:
+        return _dead_letter_all(self.ctx, lease, self.chunk, todo, done, history)
 
 
 def _generate_all(

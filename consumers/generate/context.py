@@ -17,7 +17,7 @@ from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
 from regen.consumers.generate.answer_stats import AnswerStats
-from regen.consumers.generate.chunk_life import LeaseBook
+from regen.consumers.generate.chunk_life import DeliveryHooks, LeaseBook
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
 from regen.consumers.generate.peers import PeerView
@@ -73,6 +73,8 @@ class ChunkContext:
     # Called when the worker's slots fall idle with nothing waiting here, so that the
     # others learn it within a second, not at the next regular heartbeat (peers.py).
     on_idle_slots: Callable[[], None] = lambda: None
+    # Subscribers to its deliveries' steps and ends: metrics, crash points (hooks.py).
+    hooks: DeliveryHooks = field(default_factory=DeliveryHooks)
     _specs: dict[str, jobspec.JobSpec] = field(default_factory=dict)
     _model_sampling: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     _chats: dict[str, JobChat] = field(default_factory=dict)

@@ -1,20 +1,18 @@
 """The generate worker's Prometheus metrics: its progress and its engine's view of each
-server, read from its state at scrape time, and chunk outcomes counted from Celery's
-task_postrun signal (common/metrics.py serves them)."""
+server, read from its state at scrape time, and how its deliveries ended, counted from
+their hooks (chunk_life/hooks.py; common/metrics.py serves them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from celery import states
-from celery.signals import task_postrun
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from regen.common.celery_app import GENERATE_TASK
 from regen.common.metrics import WorkerMetrics
+from regen.consumers.generate.chunk_life import Delivery, DeliveryEnd, DeliveryEvent
 from regen.consumers.generate.context import ChunkContext
 
 
@@ -153,13 +151,14 @@ def _affinity_metrics(affinity: dict[str, int] | None) -> Iterator[Metric]:
 
 
 class ChunkOutcomes:
-    """Counts finished chunks from Celery's task_postrun signal (no state keeps them)."""
+    """Counts how this worker's deliveries ended (the delivery's AFTER_END hook)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.chunks = Counter(
             "regen_generate_chunks",
-            "Chunks this worker finished: acked (every prompt handed off or dead-lettered) "
-            "or returned (given back to the queue, e.g. the engine stayed unavailable).",
+            "Chunk deliveries this worker ended: acked (every prompt handed off or "
+            "dead-lettered), returned (given back to the queue: a drain, the engine stayed "
+            "unavailable, or an error), or dropped (another delivery holds the chunk).",
             ["outcome"],
             registry=registry,
         )
@@ -169,22 +168,21 @@ class ChunkOutcomes:
             "past its attempts.",
             registry=registry,
         )
-        for outcome in ("acked", "returned"):
+        for outcome in _LABELS.values():
             self.chunks.labels(outcome)
 
-    def on_postrun(
-        self, sender: Any = None, state: str | None = None, retval: Any = None, **_: Any
-    ) -> None:
-        if getattr(sender, "name", None) != GENERATE_TASK:
-            return
-        if state == states.SUCCESS:  # acks_late: a task that returns is acknowledged
-            self.chunks.labels("acked").inc()
-            if isinstance(retval, dict):
-                self.dead_lettered.inc(retval.get("dead_lettered", 0))
-        elif state == states.REJECTED:  # the task gives a chunk back with Reject(requeue)
-            self.chunks.labels("returned").inc()
-        else:
-            self.chunks.labels(str(state).lower()).inc()
+    def on_end(self, delivery: Delivery, **_: object) -> None:
+        self.chunks.labels(_LABELS[delivery.end]).inc()
+        self.dead_lettered.inc(delivery.dead_lettered)
+
+
+# A failed delivery goes back to the queue as a returned one does (tasks.py).
+_LABELS = {
+    DeliveryEnd.ACKED: "acked",
+    DeliveryEnd.RETURNED: "returned",
+    DeliveryEnd.FAILED: "returned",
+    DeliveryEnd.DROPPED: "dropped",
+}
 
 
 def generate_metrics(
@@ -193,7 +191,6 @@ def generate_metrics(
     metrics = WorkerMetrics(name, "generate", redis_url)
     metrics.add(GenerateCollector(ctx, engine_healthy))
     outcomes = ChunkOutcomes(metrics.registry)
-    # A strong reference: Celery keeps weak ones by default and would drop a bound method.
-    task_postrun.connect(outcomes.on_postrun, weak=False)
-    metrics.on_close(lambda: task_postrun.disconnect(outcomes.on_postrun))
+    ctx.hooks.subscribe(DeliveryEvent.AFTER_END, outcomes.on_end)
+    metrics.on_close(lambda: ctx.hooks.unsubscribe(DeliveryEvent.AFTER_END, outcomes.on_end))
     return metrics

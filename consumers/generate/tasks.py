@@ -1,4 +1,6 @@
-"""The Celery task of the generate stage: a thin shell around chunk_runner."""
+"""The Celery task of the generate stage: it runs a chunk's delivery (chunk_runner.py,
+chunk_life/delivery.py) and maps how the delivery ended to Celery's action on the
+message."""
 
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
 from regen.consumers.generate.chunk_life import (
     REQUEUE_PAUSE_S,
-    ChunkDeferred,
-    LeaseLost,
+    DeliveryEnd,
     make_request_class,
 )
 from regen.consumers.generate.chunk_runner import run_chunk
@@ -39,37 +40,32 @@ def register(app: Celery, ctx: ChunkContext) -> None:
         chunk = Chunk.from_payload(payload)
         # kombu's delivery tag: the key of the delivery in its unacked keys (the lease).
         tag = (self.request.properties or {}).get("delivery_tag")
-        try:
-            outcome = run_chunk(ctx, chunk, tag)
-        except LeaseLost as exc:
-            # Another delivery holds the chunk (this worker was frozen or cut off past its
-            # lease), or Redis lost writes of this one (restored from an older copy: the
-            # chunk comes back): this run's results from then on were not written.
-            log.warning("chunk %s: dropped: %s", chunk.chunk_id, exc)
-            return {"generated": 0, "skipped": 0, "dead_lettered": 0, "dropped": 1}
-        except ChunkDeferred as exc:
-            log.warning("chunk %s: giving it back: %s", chunk.chunk_id, exc)
-            # `from None`: Celery logs every Reject with its traceback, and the chained
-            # one says nothing the line above does not (an outage gives back each chunk).
-            raise Reject(f"given back: {exc}", requeue=True) from None
-        except Exception as exc:
+        delivery = run_chunk(ctx, chunk, tag)
+        if delivery.end is DeliveryEnd.RETURNED:
+            log.warning("chunk %s: giving it back: %s", chunk.chunk_id, delivery.reason)
+            raise Reject(f"given back: {delivery.reason}", requeue=True)
+        if delivery.end is DeliveryEnd.FAILED:
             # Give the chunk back rather than let Celery ack a failure (acks_late acks
-            # failed tasks): run_chunk has expired its lease for the next sweep, or else
-            # Celery requeues it. The attempt cap turns a chunk that always fails into
-            # dead letters; the pause keeps a persistent error from spinning.
-            log.exception("chunk %s failed; returning it to the queue", chunk.chunk_id)
+            # failed tasks): the delivery has expired its lease for the next sweep, or
+            # else Celery requeues it. The attempt cap turns a chunk that always fails
+            # into dead letters; the pause keeps a persistent error from spinning.
+            log.error("chunk %s failed; returning it to the queue", chunk.chunk_id,
+                      exc_info=delivery.error)  # fmt: skip
             time.sleep(REQUEUE_PAUSE_S)
-            raise Reject(repr(exc), requeue=True) from None  # the traceback is logged above
-        log.info(
-            "chunk %s of %s: %d generated, %d already done, %d dead-lettered",
-            chunk.chunk_id,
-            chunk.job,
-            outcome.generated,
-            outcome.skipped,
-            outcome.dead_lettered,
-        )
+            raise Reject(delivery.reason, requeue=True)
+        if delivery.end is DeliveryEnd.DROPPED:
+            log.warning("chunk %s: dropped: %s", chunk.chunk_id, delivery.reason)
+        else:
+            log.info(
+                "chunk %s of %s: %d generated, %d already done, %d dead-lettered",
+                chunk.chunk_id,
+                chunk.job,
+                delivery.generated,
+                delivery.skipped,
+                delivery.dead_lettered,
+            )
         return {
-            "generated": outcome.generated,
-            "skipped": outcome.skipped,
-            "dead_lettered": outcome.dead_lettered,
+            "generated": delivery.generated,
+            "skipped": delivery.skipped,
+            "dead_lettered": delivery.dead_lettered,
         }

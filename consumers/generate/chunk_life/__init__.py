@@ -1,17 +1,22 @@
 """A generate chunk's life, from its delivery to its acknowledgement, in one place.
 
-A delivery starts (book.py: its attempt recorded, its lease taken and then renewed with
-every heartbeat), checks the attempt cap (policy.py), gives back to the queue the
-prompts its worker cannot start soon (unstarted.py), runs the rest, waiting on the
-engine as policy.py says, and settles each prompt under its lease (handoff.py: the result
-handed off or the prompt dead-lettered, with its `generated` mark, state.py). It then
-ends in exactly one way (lease.py): acknowledged (`finish`), given back to the queue
-(`give_back`), or dropped because another delivery holds the chunk (`LeaseLost`, and its
-message put back if Redis holds it nowhere). Celery and kombu leave alone what regen
-settled (celery_delivery.py). docs/design.md has the chunk's state diagram (Delivery
-protocol, "A chunk's states").
+delivery.py reads a delivery top to bottom: it starts (book.py: its attempt recorded,
+its lease taken and then renewed with every heartbeat), checks the attempt cap
+(policy.py), and has the generate stage's work run the open prompts (chunk_runner.py:
+giving back to the queue what its worker cannot start soon, unstarted.py; settling each
+prompt under the lease, handoff.py: the result handed off or the prompt dead-lettered,
+with its `generated` mark, state.py). It then ends in exactly one way (outcome.py,
+written by lease.py): acknowledged (`finish`), given back to the queue (`give_back`),
+failed, or dropped because another delivery holds the chunk (`LeaseLost`, and its
+message put back if Redis holds it nowhere). Its steps and its end are announced to the
+worker's hooks (hooks.py), which metrics and crash points subscribe to. Celery and
+kombu leave alone what regen settled (celery_delivery.py). docs/design.md has the
+chunk's state diagram (Delivery protocol, "A chunk's states").
 
 Modules, each with one job:
+- delivery.py: one delivery from its receipt to its end (`deliver`);
+- outcome.py: the attempt statuses stored in Redis and how a delivery ends;
+- hooks.py: the delivery's events and their subscribers;
 - state.py: the chunk's Redis keys and the scripts, the only code that writes them;
 - lease.py: one delivery's lease: every lease-checked write, and how a delivery ends;
 - book.py: the leases a worker holds, started and renewed;
@@ -29,12 +34,9 @@ from regen.consumers.generate.chunk_life.celery_delivery import (
     LeaseKeepingConsumer,
     make_request_class,
 )
-from regen.consumers.generate.chunk_life.handoff import (
-    AFTER_HAND_OFF,
-    BEFORE_ACK,
-    hand_off,
-    write_dead_letters,
-)
+from regen.consumers.generate.chunk_life.delivery import ChunkWork, deliver
+from regen.consumers.generate.chunk_life.handoff import hand_off, write_dead_letters
+from regen.consumers.generate.chunk_life.hooks import DeliveryEvent, DeliveryHooks
 from regen.consumers.generate.chunk_life.lease import (
     Checkpoint,
     ChunkLease,
@@ -42,6 +44,7 @@ from regen.consumers.generate.chunk_life.lease import (
     LeaseLost,
     QueuedChunk,
 )
+from regen.consumers.generate.chunk_life.outcome import AttemptStatus, Delivery, DeliveryEnd
 from regen.consumers.generate.chunk_life.policy import (
     GIVE_BACK_AFTER_S,
     REQUEUE_PAUSE_S,
@@ -57,6 +60,10 @@ from regen.consumers.generate.chunk_life.state import (
 )
 from regen.consumers.generate.chunk_life.unstarted import AFTER_GIVE_BACK, give_back_unstarted
 
+# Crash points (common/crashpoints.py): a hand-off written, its chunk not acknowledged.
+AFTER_HAND_OFF = DeliveryEvent.AFTER_HAND_OFF.value
+BEFORE_ACK = DeliveryEvent.BEFORE_ACK.value
+
 __all__ = [
     "AFTER_GIVE_BACK",
     "AFTER_HAND_OFF",
@@ -65,15 +72,22 @@ __all__ = [
     "GIVE_BACK_AFTER_S",
     "REQUEUE_PAUSE_S",
     "Attempt",
+    "AttemptStatus",
     "Checkpoint",
     "ChunkDeferred",
     "ChunkLease",
+    "ChunkWork",
+    "Delivery",
+    "DeliveryEnd",
+    "DeliveryEvent",
+    "DeliveryHooks",
     "HandOff",
     "LeaseBook",
     "LeaseKeepingConsumer",
     "LeaseLost",
     "QueuedChunk",
     "attempts_spent",
+    "deliver",
     "generate_with_retry",
     "give_back_unstarted",
     "hand_off",

@@ -15,6 +15,7 @@ import redis
 
 from regen.common import keys
 from regen.consumers.generate.chunk_life.lease import ChunkLease
+from regen.consumers.generate.chunk_life.outcome import AttemptStatus
 from regen.consumers.generate.chunk_life.state import (
     CHUNK_STATE_TTL_S,
     GIVE_BACK_UNSTARTED_LUA,
@@ -51,7 +52,7 @@ class LeaseBook:
         so far. An attempt stays "started" unless it ends, so started attempts other
         than this one are deliveries whose worker died (or still runs elsewhere)."""
         lua_keys = [keys.chunk_attempts(job, chunk_id), keys.chunk_writes(job, chunk_id)]
-        argv: list[bytes | int] = [attempt_entry(worker, "started"), CHUNK_STATE_TTL_S]
+        argv: list[bytes | int] = [attempt_entry(worker, AttemptStatus.STARTED), CHUNK_STATE_TTL_S]
         history = self._start(keys=lua_keys, args=argv)
         lease = ChunkLease(self, job, chunk_id, tag, len(history) - 1)
         with self._lock:

@@ -1,5 +1,5 @@
 """Committing a delivery's work under its chunk's lease: the one path by which the
-single-turn runner (chunk_runner.py) and the turn driver (turns.py) hand results off,
+single-turn work (chunk_runner.py) and the turn driver (turns.py) hand results off,
 dead-letter prompts and turns, and so decide what a delivery may still write.
 
 Every write goes through the delivery's `ChunkLease` (lease.py), whose check runs in
@@ -17,17 +17,14 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from regen.common import crashpoints, keys
+from regen.common import keys
 from regen.common.chunk import Chunk
 from regen.common.results import GeneratedResult
+from regen.consumers.generate.chunk_life.hooks import DeliveryEvent
 from regen.consumers.generate.chunk_life.lease import Checkpoint, ChunkLease, HandOff
 
 if TYPE_CHECKING:  # context.py holds a LeaseBook: imported at run time, a cycle
     from regen.consumers.generate.context import ChunkContext
-
-# Crash points (common/crashpoints.py): a hand-off written, its chunk not acknowledged.
-AFTER_HAND_OFF = "generate.after_hand_off"
-BEFORE_ACK = "generate.before_ack"
 
 
 def hand_off(
@@ -47,7 +44,7 @@ def hand_off(
         for result, checkpoint in zip(results, marks, strict=True)
     ]
     fresh = lease.hand_off(ctx.redis, keys.results_stream(chunk.job), batch)
-    crashpoints.hit(AFTER_HAND_OFF)
+    ctx.hooks.emit(DeliveryEvent.AFTER_HAND_OFF, chunk=chunk, results=results)
     for result, is_fresh in zip(results, fresh, strict=True):
         if is_fresh:
             # A resumed answer's first tokens were decoded elsewhere (resume.py); its

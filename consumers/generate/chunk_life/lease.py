@@ -38,6 +38,7 @@ from regen.common import keys
 from regen.common.backoff import REDIS_RETRY
 from regen.common.connection import OUTAGE_ERRORS
 from regen.common.results import FIELD as RESULT_FIELD
+from regen.consumers.generate.chunk_life.outcome import AttemptStatus
 from regen.consumers.generate.chunk_life.policy import lease_s
 from regen.consumers.generate.chunk_life.state import (
     ACK_LUA,
@@ -294,7 +295,9 @@ class ChunkLease:
 
     # --- settling the delivery ---------------------------------------------------------
 
-    def finish(self, r: redis.Redis, worker: str, status: str = "done") -> None:
+    def finish(
+        self, r: redis.Redis, worker: str, status: AttemptStatus = AttemptStatus.DONE
+    ) -> None:
         """End the attempt and acknowledge the delivery (every prompt is settled)."""
 
         ack = r.register_script(ACK_LUA)
@@ -310,7 +313,9 @@ class ChunkLease:
         self.write(r, fill)
         self._mark_settled()
 
-    def give_back(self, r: redis.Redis, worker: str, status: str, error: str | None = None) -> None:
+    def give_back(
+        self, r: redis.Redis, worker: str, status: AttemptStatus, error: str | None = None
+    ) -> None:
         """End the attempt and expire the lease: the next sweep puts the chunk back on its
         queue (prompts already settled stay done)."""
 
@@ -327,7 +332,7 @@ class ChunkLease:
         """Say in the chunk's history that this attempt was dropped, not dead."""
         try:
             pipe = r.pipeline()
-            self._end(pipe, worker, "lost")
+            self._end(pipe, worker, AttemptStatus.LOST)
             pipe.execute()
         except redis.RedisError as exc:  # only history: the chunk is another's now
             log.warning("chunk %s: could not record the lost attempt: %s", self.chunk_id, exc)
@@ -366,7 +371,11 @@ class ChunkLease:
         return bool(back)
 
     def _end(
-        self, pipe: redis.client.Pipeline, worker: str, status: str, error: str | None = None
+        self,
+        pipe: redis.client.Pipeline,
+        worker: str,
+        status: AttemptStatus,
+        error: str | None = None,
     ) -> None:
         # redis-py's stub types LSET's value as str only; bytes are sent as they are.
         pipe.lset(self.attempts_key, self.attempt, attempt_entry(worker, status, error))  # type: ignore[arg-type]

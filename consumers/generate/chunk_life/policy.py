@@ -23,6 +23,7 @@ import logging
 
 from regen.common import settings
 from regen.common.backoff import Backoff
+from regen.consumers.generate.chunk_life.outcome import AttemptStatus
 from regen.consumers.generate.chunk_life.state import Attempt
 from regen.consumers.generate.engine import (
     EngineDown,
@@ -54,13 +55,14 @@ ENGINE_RETRY = Backoff(base_s=1.0, max_s=60.0)
 REQUEUE_PAUSE_S = 2.0
 
 
+_DIED_OR_FAILED = (AttemptStatus.STARTED, AttemptStatus.FAILED)
+
+
 def attempts_spent(history: list[Attempt], attempt: int, max_attempts: int) -> int | None:
     """How many earlier deliveries of the chunk died or failed, once that reaches
     `max_attempts` (its open prompts are then dead-lettered); None while it may run.
     A "started" entry other than this delivery's (`attempt`) is one whose worker died."""
-    failed = [
-        h for i, h in enumerate(history) if i != attempt and h["status"] in ("started", "failed")
-    ]
+    failed = [h for i, h in enumerate(history) if i != attempt and h["status"] in _DIED_OR_FAILED]
     return len(failed) if len(failed) >= max_attempts else None
 
 

@@ -3,8 +3,8 @@
 Per chunk of a job (docs/design.md, Redis keys and Delivery protocol):
 
 - its attempts list (`keys.chunk_attempts`): one entry per delivery that started, each
-  "started" until the delivery ends it ("done", "returned", "failed", "lost",
-  "dead_lettered"); a delivery holds the chunk only while its entry is the last;
+  "started" until the delivery ends it (outcome.AttemptStatus); a delivery holds the
+  chunk only while its entry is the last;
 - its write count (`keys.chunk_writes`): the writes the delivery holding it made, so a
   Redis restored from an older copy is caught (it cannot fake a count the worker holds);
 - its `generated` set (`keys.chunk_generated`): the prompts settled (handed off,
@@ -30,13 +30,14 @@ import redis
 from regen.common import defaults, keys
 from regen.common.chunk import Chunk
 from regen.common.connection import bytes_set
+from regen.consumers.generate.chunk_life.outcome import AttemptStatus
 
 Attempt = dict[str, object]
 
 CHUNK_STATE_TTL_S = defaults.CHUNK_STATE_TTL_S
 
 
-def attempt_entry(worker: str, status: str, error: str | None = None) -> bytes:
+def attempt_entry(worker: str, status: AttemptStatus, error: str | None = None) -> bytes:
     """One entry of the attempts list: who, when, and how the delivery stands."""
     return orjson.dumps({"worker": worker, "time": time.time(), "status": status, "error": error})
 
