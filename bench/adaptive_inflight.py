@@ -2,7 +2,7 @@
 
 Starts the SGLang stand-in with its batch model (tests/sglang_standin/batching.py) in two
 settings, and drives the real SGLang HTTP engine the way a generate worker's flow control
-does (consumers/generate/flow_control.py: the engine's capacity plus a slack outstanding):
+does (consumers/generate/placement/flow_control.py: the engine's capacity plus a slack outstanding):
 
 - compute-bound: a decode pass takes longer the more requests run, tokens/s grows with
   the batch up to the server's 1024 running slots, and the KV cache never fills;
@@ -40,7 +40,7 @@ from regen.common.heartbeat import RateMeter
 from regen.consumers.generate.engine import GenerateRequest
 from regen.consumers.generate.engines.admission_policy import AdmissionPolicy
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
-from regen.consumers.generate.flow_control import slack
+from regen.consumers.generate.placement.flow_control import slack
 from tests.sglang_standin.process import StandinHandle, run_standin
 
 OUTPUT_LEN = "lognormal:mean=300,sigma=0.8,min=8,max=1500"

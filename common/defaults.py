@@ -83,7 +83,7 @@ CHUNK_STATE_TTL_S = 8 * 3600
 # leave them in Redis for good.
 RECOVERED_ANSWERS_TTL_S = 7 * 24 * 3600
 # Most chunks a generate worker holds at once (its threads); within that, flow control
-# holds as many as keep its engine full (consumers/generate/flow_control.py).
+# holds as many as keep its engine full (consumers/generate/placement/flow_control.py).
 MAX_CHUNKS_HELD = 64
 # A chunk delivered more times than this (its worker died each time) is dead-lettered.
 MAX_CHUNK_ATTEMPTS = 3

@@ -3,7 +3,7 @@ reads them and kept alive by the producer's own loop.
 
 While it is set, the job's queue is not all that is left of the job: the producer
 refills it up to its high-water mark. A generate worker that leaves a job's last
-prompts to faster servers (consumers/generate/stand_down.py) must not take a throttled
+prompts to faster servers (consumers/generate/placement/stand_down.py) must not take a throttled
 producer's queue for the job's end. A producer that dies leaves the key to expire.
 """
 

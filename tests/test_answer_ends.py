@@ -24,7 +24,7 @@ from regen.common.chat_family import detect_family
 from regen.common.provenance import effective_sampling
 from regen.common.record import Reason, build_record
 from regen.consumers.generate.engine import GenerateResult
-from regen.consumers.generate.resume import ended, joined, why_not_movable
+from regen.consumers.generate.placement.resume import ended, joined, why_not_movable
 from tests.test_record import IM_END, failure, ids, make_ctx, make_result, make_spec
 
 EOS = 2

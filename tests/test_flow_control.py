@@ -1,9 +1,9 @@
 """Flow control: a generate worker holds the chunks its engine can start soon, no more
-(consumers/generate/flow_control.py)."""
+(consumers/generate/placement/flow_control.py)."""
 
 from __future__ import annotations
 
-from regen.consumers.generate.flow_control import MIN_SLACK, REFILL_S, chunk_limit, slack
+from regen.consumers.generate.placement.flow_control import MIN_SLACK, REFILL_S, chunk_limit, slack
 
 CAPACITY = 32
 

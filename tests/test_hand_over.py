@@ -24,8 +24,8 @@ from regen.common.samples import sample_id
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, server_rid
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.engines.sglang_replies import Failure, parse_result
-from regen.consumers.generate.held_prompts import BEFORE_SEND_ON
-from regen.consumers.generate.resume import continued_sampling, joined
+from regen.consumers.generate.placement.held_prompts import BEFORE_SEND_ON
+from regen.consumers.generate.placement.resume import continued_sampling, joined
 from regen.ops.reconcile import reconcile
 from tests.generate_harness import (
     Worker,

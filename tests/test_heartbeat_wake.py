@@ -11,7 +11,7 @@ import redis
 
 from regen.common import keys
 from regen.common.heartbeat import WOKEN_BEAT_GAP_S, Heartbeat
-from regen.consumers.generate.idle_beat import IdleBeat
+from regen.consumers.generate.placement.idle_beat import IdleBeat
 from tests.helpers import wait_for
 
 

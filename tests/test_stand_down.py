@@ -1,5 +1,5 @@
 """A worker on a slow server leaves a job's last prompts to faster servers
-(consumers/generate/stand_down.py; docs/design.md, "Faster servers take the end")."""
+(consumers/generate/placement/stand_down.py; docs/design.md, "Faster servers take the end")."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from regen.common import jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk_message import ChunkMessages
 from regen.common.queues import publishing
-from regen.consumers.generate.answer_stats import MIN_ANSWERS, AnswerStats
 from regen.consumers.generate.chunk_runner import run_chunk
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
-from regen.consumers.generate.peers import CACHE_S, PeerRoom, PeerView
-from regen.consumers.generate.stand_down import FASTER, StandDown, leave_below
+from regen.consumers.generate.placement.answer_stats import MIN_ANSWERS, AnswerStats
+from regen.consumers.generate.placement.peers import CACHE_S, PeerRoom, PeerView
+from regen.consumers.generate.placement.stand_down import FASTER, StandDown, leave_below
 from regen.ops.reconcile import reconcile
 from regen.ops.status_snapshot import snapshot
 from regen.producer.enqueue import Enqueuer

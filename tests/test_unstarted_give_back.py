@@ -27,8 +27,8 @@ from regen.consumers.generate.chunk_life import (
     read_generated,
 )
 from regen.consumers.generate.context import ChunkContext
-from regen.consumers.generate.flow_control import HOLD_OFF_S, chunk_limit, keeps_slack
-from regen.consumers.generate.peers import CACHE_S, CLAIM_S, FRESH_S, TAKE_S, PeerView
+from regen.consumers.generate.placement.flow_control import HOLD_OFF_S, chunk_limit, keeps_slack
+from regen.consumers.generate.placement.peers import CACHE_S, CLAIM_S, FRESH_S, TAKE_S, PeerView
 from regen.ops.reconcile import reconcile
 from tests.generate_harness import (
     Worker,

@@ -25,6 +25,7 @@ import redis
 
 from regen.common import defaults
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.jobspec import JobSpec
 from regen.consumers.generate.chunk_life import (
     Attempt,
     ChunkDeferred,
@@ -38,7 +39,7 @@ from regen.consumers.generate.chunk_life import (
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult, PromptRejected
 from regen.consumers.generate.engine_loop import Outcome
-from regen.consumers.generate.held_prompts import HeldPrompts
+from regen.consumers.generate.placement.held_prompts import HeldPrompts
 from regen.consumers.generate.prompt_outcomes import dead_letter, generated_result
 from regen.consumers.generate.reasons import Reason
 from regen.consumers.generate.turn_state import dead_letter_conversation
@@ -130,9 +131,13 @@ class PromptWork:
     chunk: Chunk
 
     def run(self, lease: ChunkLease, todo: list[ChunkPrompt], done: set[str]) -> tuple[int, int]:
+        # The job's spec, looked up once for the delivery; a requeued chunk may override
+        # some sampling params (`regen dlq requeue --set`).
+        spec = self.ctx.spec(self.chunk.job)
+        sampling = {**spec.sampling, **self.chunk.sampling}
         if any(p.conversation is not None for p in todo):
-            return run_conversations(self.ctx, lease, self.chunk, todo, done)
-        return _generate_all(self.ctx, lease, self.chunk, todo)
+            return run_conversations(self.ctx, lease, self.chunk, todo, done, spec, sampling)
+        return _generate_all(self.ctx, lease, self.chunk, todo, spec, sampling)
 
     def dead_letter_all(
         self, lease: ChunkLease, todo: list[ChunkPrompt], done: set[str], history: list[Attempt]
@@ -141,14 +146,17 @@ class PromptWork:
 
 
 def _generate_all(
-    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, todo: list[ChunkPrompt]
+    ctx: ChunkContext,
+    lease: ChunkLease,
+    chunk: Chunk,
+    todo: list[ChunkPrompt],
+    spec: JobSpec,
+    sampling: dict[str, Any],
 ) -> tuple[int, int]:
     """Generate the chunk's prompts: those its worker can start soon at once, the rest
     as its slots free, or given back to the queue as soon as another worker has idle
     slots (docs/design.md, "Only what can start soon"); (handed off, dead-lettered)."""
-    # A requeued chunk may override some params (`regen dlq requeue --set`).
-    sampling = {**ctx.spec(chunk.job).sampling, **chunk.sampling}
-    held = HeldPrompts(ctx, lease, chunk, todo, sampling)
+    held = HeldPrompts(ctx, lease, chunk, todo, spec, sampling)
     batch = held.start_first()
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
     generated = rejected = 0

@@ -16,11 +16,11 @@ from regen.common import defaults, jobspec, provenance, tokenizer_refusals
 from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import RateMeter
 from regen.common.tokenizer import TokenizerMismatch
-from regen.consumers.generate.answer_stats import AnswerStats
 from regen.consumers.generate.chunk_life import DeliveryHooks, LeaseBook
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.job_chat import JobChat, load_job_chat
-from regen.consumers.generate.peers import PeerView
+from regen.consumers.generate.placement.answer_stats import AnswerStats
+from regen.consumers.generate.placement.peers import PeerView
 
 
 @dataclass

@@ -22,6 +22,7 @@ import redis
 from regen.common import crashpoints, job_pause
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.jobspec import JobSpec
 from regen.consumers.generate.chunk_life import (
     ChunkDeferred,
     ChunkLease,
@@ -53,14 +54,19 @@ DRAIN_CHECK_S = 1.0
 class _Conversations:
     """The turns of one delivery of a chunk: those running, and what they came to."""
 
-    def __init__(self, ctx: ChunkContext, lease: ChunkLease, chunk: Chunk) -> None:
+    def __init__(
+        self,
+        ctx: ChunkContext,
+        lease: ChunkLease,
+        chunk: Chunk,
+        spec: JobSpec,
+        sampling: dict[str, Any],
+    ) -> None:
         self.ctx = ctx
         self.lease = lease
         self.chunk = chunk
         self.attempt = lease.attempt
-        spec = ctx.spec(chunk.job)
-        # A requeued chunk may override some params (`regen dlq requeue --set`).
-        self.sampling = {**spec.sampling, **chunk.sampling}
+        self.sampling = sampling
         self.limit = dataclasses.replace(spec, sampling=self.sampling).prompt_token_limit()
         self.chat = ctx.chat(chunk.job)
         self.running: dict[Future[GenerateResult], Turn] = {}
@@ -201,9 +207,12 @@ def run_conversations(
     chunk: Chunk,
     prompts: list[ChunkPrompt],
     settled: set[str],
+    spec: JobSpec,
+    sampling: dict[str, Any],
 ) -> tuple[int, int]:
-    """Run the open turns of the chunk's conversations; (turns generated, dead-lettered)."""
-    conversations = _Conversations(ctx, lease, chunk)
+    """Run the open turns of the chunk's conversations (`sampling`: the job's, with the
+    chunk's overrides); (turns generated, dead-lettered)."""
+    conversations = _Conversations(ctx, lease, chunk, spec, sampling)
     first: list[Turn] = []
     for prompt in prompts:
         try:

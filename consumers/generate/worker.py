@@ -28,13 +28,13 @@ from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.drain import Drain, stop_celery_worker
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
-from regen.consumers.generate.flow_control import keeps_slack, make_flow_control, slack
-from regen.consumers.generate.idle_beat import IdleBeat
 from regen.consumers.generate.metrics import generate_metrics
 from regen.consumers.generate.new_jobs import NewJobs
-from regen.consumers.generate.peers import PeerView
+from regen.consumers.generate.placement.flow_control import keeps_slack, make_flow_control, slack
+from regen.consumers.generate.placement.idle_beat import IdleBeat
+from regen.consumers.generate.placement.peers import PeerView
+from regen.consumers.generate.placement.stand_down import StandDown
 from regen.consumers.generate.poison import PoisonFilter
-from regen.consumers.generate.stand_down import StandDown
 from regen.consumers.generate.tasks import register
 
 log = logging.getLogger("regen.generate")

@@ -29,6 +29,7 @@ from typing import Any
 from regen.common import crashpoints, job_pause, provenance
 from regen.common.answer_ends import request_end_ids
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.common.jobspec import JobSpec
 from regen.consumers.generate.chunk_life import (
     ChunkLease,
     generate_with_retry,
@@ -37,9 +38,9 @@ from regen.consumers.generate.chunk_life import (
 from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engine_loop import Batch
-from regen.consumers.generate.flow_control import slack
-from regen.consumers.generate.resume import continued_sampling, settled, why_not_movable
-from regen.consumers.generate.stand_down import FASTER
+from regen.consumers.generate.placement.flow_control import slack
+from regen.consumers.generate.placement.resume import continued_sampling, settled, why_not_movable
+from regen.consumers.generate.placement.stand_down import FASTER
 
 log = logging.getLogger("regen.generate")
 
@@ -84,13 +85,13 @@ class HeldPrompts:
         lease: ChunkLease,
         chunk: Chunk,
         todo: list[ChunkPrompt],
+        spec: JobSpec,
         sampling: dict[str, Any],
     ) -> None:
         self._ctx = ctx
         self._lease = lease
         self._chunk = chunk
         self._sampling = sampling
-        spec = ctx.spec(chunk.job)
         self._queue = spec.queue
         # Where an answer ends (an abort on its last step is settled as ended, resume.py)
         # and whether its running answers may move to another server at all.

@@ -41,8 +41,8 @@ import redis
 
 from regen.common import keys
 from regen.common.queues import publishing, queued_chunks
-from regen.consumers.generate.answer_stats import AnswerStats
-from regen.consumers.generate.peers import PeerRoom, PeerView
+from regen.consumers.generate.placement.answer_stats import AnswerStats
+from regen.consumers.generate.placement.peers import PeerRoom, PeerView
 
 log = logging.getLogger("regen.generate")
 
