@@ -25,7 +25,6 @@ import redis
 
 from regen.common import defaults
 from regen.common.chunk import Chunk, ChunkPrompt
-from regen.common.jobspec import JobSpec
 from regen.consumers.generate.chunk_life import (
     Attempt,
     ChunkDeferred,
@@ -137,7 +136,8 @@ class PromptWork:
         sampling = {**spec.sampling, **self.chunk.sampling}
         if any(p.conversation is not None for p in todo):
             return run_conversations(self.ctx, lease, self.chunk, todo, done, spec, sampling)
-        return _generate_all(self.ctx, lease, self.chunk, todo, spec, sampling)
+        held = HeldPrompts(self.ctx, lease, self.chunk, todo, spec, sampling)
+        return _generate_all(self.ctx, lease, self.chunk, held, sampling)
 
     def dead_letter_all(
         self, lease: ChunkLease, todo: list[ChunkPrompt], done: set[str], history: list[Attempt]
@@ -146,17 +146,11 @@ class PromptWork:
 
 
 def _generate_all(
-    ctx: ChunkContext,
-    lease: ChunkLease,
-    chunk: Chunk,
-    todo: list[ChunkPrompt],
-    spec: JobSpec,
-    sampling: dict[str, Any],
+    ctx: ChunkContext, lease: ChunkLease, chunk: Chunk, held: HeldPrompts, sampling: dict[str, Any]
 ) -> tuple[int, int]:
-    """Generate the chunk's prompts: those its worker can start soon at once, the rest
-    as its slots free, or given back to the queue as soon as another worker has idle
+    """Generate the chunk's prompts `held`: those its worker can start soon at once, the
+    rest as its slots free, or given back to the queue as soon as another worker has idle
     slots (docs/design.md, "Only what can start soon"); (handed off, dead-lettered)."""
-    held = HeldPrompts(ctx, lease, chunk, todo, spec, sampling)
     batch = held.start_first()
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
     generated = rejected = 0
