@@ -151,7 +151,7 @@ def enqueue(
         return stats
 
     if follow:
-        from regen.producer.follow import Follower
+        from regen.producer.healer import Follower
 
         # A long pass keeps the job followed.
         follower = Follower(

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from regen.common import keys
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import (
     Attempt,
     ChunkDeferred,
@@ -23,7 +24,6 @@ from regen.consumers.generate.chunk_life import (
     LeaseBook,
     deliver,
 )
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.metrics import ChunkOutcomes
 from tests.test_lease import TAG
 from tests.test_lease import deliver as kombu_delivers

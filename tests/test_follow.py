@@ -1,4 +1,4 @@
-"""`regen enqueue --follow` (producer/follow.py) on a fake clock: ids in no place in two
+"""`regen enqueue --follow` (producer/healer.py) on a fake clock: ids in no place in two
 readings a grace apart are queued again, once; never while Redis is behind the disk."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from regen.cli import main
 from regen.common import jobspec, keys
 from regen.common.ledger.job_ids import JobIds
 from regen.common.queues import queue_lists
-from regen.producer.follow import Follower
+from regen.producer.healer import Follower
 from tests.helpers import decode_message, write_jsonl
 from tests.test_enqueue import enqueue, queued_prompts
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from regen.consumers.generate import worker
-from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.worker import QueueState, Watcher, WorkerOptions

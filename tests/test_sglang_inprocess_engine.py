@@ -18,7 +18,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.engine import EngineUnavailable, GenerateRequest, PromptRejected
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine

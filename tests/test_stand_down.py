@@ -15,8 +15,8 @@ from regen.common import jobspec, keys
 from regen.common.celery_app import make_app
 from regen.common.chunk_message import ChunkMessages
 from regen.common.queues import publishing
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_runner import run_chunk
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.placement.answer_stats import MIN_ANSWERS, AnswerStats
 from regen.consumers.generate.placement.peers import CACHE_S, PeerRoom, PeerView

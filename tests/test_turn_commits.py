@@ -22,9 +22,9 @@ from regen.common import dlq, jobspec, keys
 from regen.common.chat_family import detect_family
 from regen.common.chunk import Chunk
 from regen.consumers.generate import turns
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import DeliveryEnd
 from regen.consumers.generate.chunk_runner import run_chunk
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
 from regen.consumers.generate.engine_loop import EngineRunner
 from tests.generate_harness import results

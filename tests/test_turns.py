@@ -20,8 +20,8 @@ from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.conversation import Conversation, turn_id
 from regen.common.ledger.commit_ledger import CommitLedger
 from regen.common.ledger.places import count_places
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_runner import run_chunk
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult
 from regen.consumers.generate.job_chat import load_job_chat
 from regen.consumers.generate.turn_state import ToolCallDiverged, Turn, next_turn, resume

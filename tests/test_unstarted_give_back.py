@@ -19,6 +19,7 @@ from regen.common.chunk import Chunk
 from regen.common.chunk_message import ChunkMessages
 from regen.common.jobspec import JobSpec
 from regen.common.ledger.places import count_places
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import (
     ChunkLease,
     LeaseBook,
@@ -26,7 +27,6 @@ from regen.consumers.generate.chunk_life import (
     give_back_unstarted,
     read_generated,
 )
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.placement.flow_control import HOLD_OFF_S, chunk_limit, keeps_slack
 from regen.consumers.generate.placement.peers import CACHE_S, CLAIM_S, FRESH_S, TAKE_S, PeerView
 from regen.ops.reconcile import reconcile

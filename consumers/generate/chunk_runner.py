@@ -25,6 +25,7 @@ import redis
 
 from regen.common import defaults
 from regen.common.chunk import Chunk, ChunkPrompt
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import (
     Attempt,
     ChunkDeferred,
@@ -35,7 +36,6 @@ from regen.consumers.generate.chunk_life import (
     hand_off,
     write_dead_letters,
 )
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateResult, PromptRejected
 from regen.consumers.generate.engine_loop import Outcome
 from regen.consumers.generate.placement.held_prompts import HeldPrompts

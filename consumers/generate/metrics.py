@@ -12,8 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from regen.common.metrics import WorkerMetrics
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import Delivery, DeliveryEnd, DeliveryEvent
-from regen.consumers.generate.context import ChunkContext
 
 
 class GenerateCollector(Collector):

@@ -13,13 +13,13 @@ from celery.exceptions import Reject
 
 from regen.common.celery_app import GENERATE_TASK
 from regen.common.chunk import Chunk
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import (
     REQUEUE_PAUSE_S,
     DeliveryEnd,
     make_request_class,
 )
 from regen.consumers.generate.chunk_runner import run_chunk
-from regen.consumers.generate.context import ChunkContext
 
 log = logging.getLogger("regen.generate")
 

@@ -23,6 +23,7 @@ from regen.common import crashpoints, job_pause
 from regen.common.chat_family import ChatTemplateError
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.jobspec import JobSpec
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import (
     ChunkDeferred,
     ChunkLease,
@@ -31,7 +32,6 @@ from regen.consumers.generate.chunk_life import (
     hand_off,
     write_dead_letters,
 )
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult, PromptRejected
 from regen.consumers.generate.prompt_outcomes import generated_result
 from regen.consumers.generate.reasons import Reason

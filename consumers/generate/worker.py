@@ -23,8 +23,8 @@ from regen.common.celery_app import make_app
 from regen.common.chunk_message import ChunkMessages
 from regen.common.heartbeat import Heartbeat, worker_name
 from regen.consumers.generate import kombu_screen
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import LeaseKeepingConsumer
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.drain import Drain, stop_celery_worker
 from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine

@@ -9,7 +9,7 @@ done; a worker killed mid-recovery lets the lock expire, and the next worker to 
 Redis behind runs it again (recovery is safe to rerun). Under the lock the folder is
 checked again: a worker that took the lock just after another finished finds nothing
 to do. While Redis is behind, `keys.job_behind` is set, so that the job's follower
-(`regen enqueue --follow`, producer/follow.py) forgets no id and queues nothing before
+(`regen enqueue --follow`, producer/healer.py) forgets no id and queues nothing before
 the ledger is whole again: recovery deletes it (docs/design.md, "Healing").
 """
 

@@ -1,6 +1,6 @@
 """A generate chunk's life, from its delivery to its acknowledgement, in one place.
 
-delivery.py reads a delivery top to bottom: it starts (book.py: its attempt recorded,
+delivery.py reads a delivery top to bottom: it starts (lease_book.py: its attempt recorded,
 its lease taken and then renewed with every heartbeat), checks the attempt cap
 (policy.py), and has the generate stage's work run the open prompts (chunk_runner.py:
 giving back to the queue what its worker cannot start soon, unstarted.py; settling each
@@ -19,7 +19,7 @@ Modules, each with one job:
 - hooks.py: the delivery's events and their subscribers;
 - state.py: the chunk's Redis keys and the scripts, the only code that writes them;
 - lease.py: one delivery's lease: every lease-checked write, and how a delivery ends;
-- book.py: the leases a worker holds, started and renewed;
+- lease_book.py: the leases a worker holds, started and renewed;
 - policy.py: the timers and retry policy (lease length, give-back, engine retries,
   attempt cap, requeue pause);
 - handoff.py: settling a delivery's prompts under its lease;
@@ -29,7 +29,6 @@ Modules, each with one job:
 Code outside this package imports from here, not from its modules.
 """
 
-from regen.consumers.generate.chunk_life.book import LeaseBook
 from regen.consumers.generate.chunk_life.celery_delivery import (
     LeaseKeepingConsumer,
     make_request_class,
@@ -44,6 +43,7 @@ from regen.consumers.generate.chunk_life.lease import (
     LeaseLost,
     QueuedChunk,
 )
+from regen.consumers.generate.chunk_life.lease_book import LeaseBook
 from regen.consumers.generate.chunk_life.outcome import AttemptStatus, Delivery, DeliveryEnd
 from regen.consumers.generate.chunk_life.policy import (
     GIVE_BACK_AFTER_S,

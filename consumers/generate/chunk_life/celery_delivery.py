@@ -1,5 +1,5 @@
 """Where chunk leases meet Celery and kombu: who acknowledges a delivery, and what a lost
-connection does to the chunks a worker holds (see lease.py and book.py, docs/design.md
+connection does to the chunks a worker holds (see lease.py and lease_book.py, docs/design.md
 Delivery protocol).
 """
 
@@ -11,7 +11,7 @@ from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 from kombu.transport import virtual
 
-from regen.consumers.generate.chunk_life.book import LeaseBook
+from regen.consumers.generate.chunk_life.lease_book import LeaseBook
 
 
 def make_request_class(book: LeaseBook) -> type[Request]:

@@ -1,6 +1,6 @@
 """One delivery of a chunk, from its receipt to its end, read top to bottom.
 
-The delivery takes the chunk's lease (book.py), reads which prompts earlier deliveries
+The delivery takes the chunk's lease (lease_book.py), reads which prompts earlier deliveries
 settled (state.py), and either dead-letters the open ones (past the attempt cap,
 policy.py) or has its work run them: the generate stage's `ChunkWork` hands each
 result off or dead-letters it under the lease (handoff.py). It ends in exactly one way
@@ -27,8 +27,8 @@ from regen.consumers.generate.chunk_life.outcome import AttemptStatus, Delivery,
 from regen.consumers.generate.chunk_life.policy import ChunkDeferred, attempts_spent
 from regen.consumers.generate.chunk_life.state import Attempt, read_generated
 
-if TYPE_CHECKING:  # context.py holds a LeaseBook: imported at run time, a cycle
-    from regen.consumers.generate.context import ChunkContext
+if TYPE_CHECKING:  # chunk_context.py holds a LeaseBook: imported at run time, a cycle
+    from regen.consumers.generate.chunk_context import ChunkContext
 
 log = logging.getLogger("regen.generate")
 

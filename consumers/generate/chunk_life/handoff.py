@@ -23,8 +23,8 @@ from regen.common.results import GeneratedResult
 from regen.consumers.generate.chunk_life.hooks import DeliveryEvent
 from regen.consumers.generate.chunk_life.lease import Checkpoint, ChunkLease, HandOff
 
-if TYPE_CHECKING:  # context.py holds a LeaseBook: imported at run time, a cycle
-    from regen.consumers.generate.context import ChunkContext
+if TYPE_CHECKING:  # chunk_context.py holds a LeaseBook: imported at run time, a cycle
+    from regen.consumers.generate.chunk_context import ChunkContext
 
 
 def hand_off(

@@ -20,7 +20,7 @@ delivery itself, in the same kind of transaction: done removes it from kombu's k
 give-back sets its score to 0 so the next sweep restores it, and a lost lease touches
 nothing (the delivery belongs to whoever holds it now). Celery then only updates its
 local count of held messages (celery_delivery.py). The keys and scripts each write
-touches are state.py's; the book of leases a worker holds and renews is book.py's. See
+touches are state.py's; the book of leases a worker holds and renews is lease_book.py's. See
 docs/design.md, Delivery protocol.
 """
 
@@ -48,7 +48,7 @@ from regen.consumers.generate.chunk_life.state import (
 )
 
 if TYPE_CHECKING:
-    from regen.consumers.generate.chunk_life.book import LeaseBook
+    from regen.consumers.generate.chunk_life.lease_book import LeaseBook
 
 log = logging.getLogger("regen.generate")
 

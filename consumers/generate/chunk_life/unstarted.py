@@ -4,7 +4,7 @@ A worker holds a delivered chunk whole, but its engine starts only as many promp
 it has free slots. A prompt it holds and cannot start waits in the worker, where no
 other worker can take it: with a 64-prompt chunk on a 32-slot server, half the chunk
 waits minutes at real answer lengths while a faster server idles. So a delivery starts
-what its worker can start soon (context.py's `reserve`, flow_control.py's measure) and
+what its worker can start soon (chunk_context.py's `reserve`, flow_control.py's measure) and
 gives the rest back to the queue as new chunks of at most GIVEN_BACK_CHUNK_SIZE
 prompts, in one lease-checked script that also marks them settled for this chunk
 (state.py): every prompt is then open in exactly one chunk, and a redelivery of this

@@ -26,7 +26,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from regen.consumers.generate.context import ChunkContext
+from regen.consumers.generate.chunk_context import ChunkContext
 
 log = logging.getLogger("regen.generate")
 

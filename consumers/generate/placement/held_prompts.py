@@ -30,12 +30,12 @@ from regen.common import crashpoints, job_pause, provenance
 from regen.common.answer_ends import request_end_ids
 from regen.common.chunk import Chunk, ChunkPrompt
 from regen.common.jobspec import JobSpec
+from regen.consumers.generate.chunk_context import ChunkContext
 from regen.consumers.generate.chunk_life import (
     ChunkLease,
     generate_with_retry,
     give_back_unstarted,
 )
-from regen.consumers.generate.context import ChunkContext
 from regen.consumers.generate.engine import GenerateRequest, GenerateResult
 from regen.consumers.generate.engine_loop import Batch
 from regen.consumers.generate.placement.flow_control import slack

@@ -1,7 +1,7 @@
 """The chunks a generate worker holds: each delivery's start (its attempt recorded, its
 lease taken), the renewal of every lease with each heartbeat, and what Celery must leave
 alone (deliveries regen settled itself; messages as popped, for a lost lease's hand-back).
-One book per worker process (context.py); a lease's own writes are lease.py's.
+One book per worker process (chunk_context.py); a lease's own writes are lease.py's.
 """
 
 from __future__ import annotations
