@@ -53,3 +53,30 @@ def test_every_cited_section_of_the_design_exists() -> None:
         if not any(cited == name or cited.startswith(name) for name in names)
     ]
     assert missing == [], f"cited, not a section of docs/design.md: {missing}"
+
+
+LAYOUT_ROW = re.compile(r"^\| `([a-z_/]+/)` \| (.*) \|$", re.MULTILINE)
+
+
+def test_the_layout_table_names_every_module_and_only_modules_that_exist() -> None:
+    """docs/design.md's Layout table has a row per top-level folder; each names every
+    module under its folder (as `name.py`), and every `name.py` it names is there."""
+    rows = dict(LAYOUT_ROW.findall((REPO / "docs" / "design.md").read_text()))
+    assert set(rows) == {
+        "producer/",
+        "consumers/generate/",
+        "consumers/tokenize/",
+        "common/",
+        "regen/",
+    }
+    unnamed, unknown = {}, {}
+    for folder, text in rows.items():
+        # A module by its name; a path (tests/test_layout.py) names no module of the row.
+        named = set(re.findall(r"(?<![\w/.])([A-Za-z_]+\.py)", text))
+        modules = {p.name for p in (REPO / folder).rglob("*.py") if p.name != "__init__.py"}
+        if modules - named:
+            unnamed[folder] = sorted(modules - named)
+        if named - modules:
+            unknown[folder] = sorted(named - modules)
+    assert unnamed == {}, "modules the Layout table leaves out"
+    assert unknown == {}, "modules the Layout table names that are not in the tree"
