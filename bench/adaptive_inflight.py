@@ -1,6 +1,6 @@
 """`--max-inflight auto` against fixed limits (not a test; a measurement).
 
-Starts the SGLang stand-in with its batch model (tests/sglang_standin/batching.py) in two
+Starts the SGLang stand-in with its batch model (tests/support/sglang_standin/batching.py) in two
 settings, and drives the real SGLang HTTP engine the way a generate worker's flow control
 does (consumers/generate/placement/flow_control.py: the engine's capacity plus a slack outstanding):
 
@@ -41,7 +41,7 @@ from regen.consumers.generate.engine import GenerateRequest
 from regen.consumers.generate.engines.admission_policy import AdmissionPolicy
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
 from regen.consumers.generate.placement.flow_control import slack
-from tests.sglang_standin.process import StandinHandle, run_standin
+from tests.support.sglang_standin.process import StandinHandle, run_standin
 
 OUTPUT_LEN = "lognormal:mean=300,sigma=0.8,min=8,max=1500"
 SETTINGS: dict[str, dict[str, Any]] = {

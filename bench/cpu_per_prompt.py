@@ -59,9 +59,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from regen.common import defaults, keys  # noqa: E402
-from tests.generate_harness import Worker  # noqa: E402
-from tests.redis_server import running_redis  # noqa: E402
-from tests.sglang_standin.process import StandinHandle, run_standin  # noqa: E402
+from tests.support.generate_harness import Worker  # noqa: E402
+from tests.support.redis_server import running_redis  # noqa: E402
+from tests.support.sglang_standin.process import StandinHandle, run_standin  # noqa: E402
 
 WARMUP_PROMPTS = 128
 # The workers run with regen's own lease and sweep settings, not the tests' short ones.

@@ -13,7 +13,7 @@ running (their default grace). A second worker then finishes the job. Printed:
   answers whose client went away or that were answered again from their start;
 - moved: answers handed back to the queue with their tokens so far;
 - span: from the first request to the job's last answer (every prompt answered once is
-  checked; that each moved answer is one server's is tests/test_drain.py's job).
+  checked; that each moved answer is one server's is tests/generate/test_drain.py's job).
 
 `--python` runs the workers with another checkout's interpreter (a venv with that
 checkout installed), so the code before a change runs side by side with it:
@@ -42,10 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from regen.common import jobspec  # noqa: E402
-from tests.generate_harness import all_generated, enqueued_ids, results  # noqa: E402
-from tests.helpers import wait_for  # noqa: E402
-from tests.redis_server import running_redis  # noqa: E402
-from tests.sglang_standin import run_standin  # noqa: E402
+from tests.support.generate_harness import all_generated, enqueued_ids, results  # noqa: E402
+from tests.support.helpers import wait_for  # noqa: E402
+from tests.support.redis_server import running_redis  # noqa: E402
+from tests.support.sglang_standin import run_standin  # noqa: E402
 
 SLOTS = 32
 TOKENS_PER_S = 50  # 20 ms per token per request

@@ -25,9 +25,9 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from regen.common import keys
-from tests.generate_harness import Worker, enqueue_prompts
-from tests.redis_server import running_redis
-from tests.sglang_standin.process import run_standin
+from tests.support.generate_harness import Worker, enqueue_prompts
+from tests.support.redis_server import running_redis
+from tests.support.sglang_standin.process import run_standin
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ Every run uses the product's defaults (`regen enqueue` with no --chunk-size: 64 
 a chunk; `--max-inflight auto`) unless a flag says otherwise.
 
 Each full-scale run takes ~5 minutes of wall time. `--scale 10` divides answer lengths
-by 10 (a run in well under a minute; tests/test_long_generations.py runs it).
+by 10 (a run in well under a minute; tests/ops/test_long_generations.py runs it).
 
     python bench/long_generations.py [--runs last,all,two-speed,kill] [--scale 1]
 """
@@ -68,10 +68,10 @@ from regen.common import defaults, jobspec, keys
 from regen.common.celery_app import make_app
 from regen.producer.enqueue import Enqueuer
 from regen.producer.spec import JobOptions, prepare_job
-from tests.generate_harness import Worker, all_generated, attempts, results
-from tests.helpers import write_jsonl
-from tests.redis_server import running_redis
-from tests.sglang_standin.process import StandinHandle, start_standin
+from tests.support.generate_harness import Worker, all_generated, attempts, results
+from tests.support.helpers import write_jsonl
+from tests.support.redis_server import running_redis
+from tests.support.sglang_standin.process import StandinHandle, start_standin
 
 RUNS = ("last", "all", "two-speed", "four-speed", "kill")
 # ms per token of each server in the fleet runs, the first one's worker started first.

@@ -49,9 +49,9 @@ from regen.common import defaults, jobspec  # noqa: E402
 from regen.common.celery_app import make_app  # noqa: E402
 from regen.producer.enqueue import Enqueuer  # noqa: E402
 from regen.producer.spec import JobOptions, prepare_job  # noqa: E402
-from tests.generate_harness import Worker, results  # noqa: E402
-from tests.helpers import write_jsonl  # noqa: E402
-from tests.redis_server import running_redis  # noqa: E402
+from tests.support.generate_harness import Worker, results  # noqa: E402
+from tests.support.helpers import write_jsonl  # noqa: E402
+from tests.support.redis_server import running_redis  # noqa: E402
 
 JOB = "tail"
 # ms per token of each server, the first one's worker started first.

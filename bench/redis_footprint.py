@@ -47,7 +47,7 @@ from regen.common.results import GeneratedResult
 from regen.consumers.generate.chunk_life import LeaseBook, give_back_unstarted, mark_generated
 from regen.consumers.tokenize.shard_files import ShardInfo
 from regen.producer.publish import ChunkPublisher
-from tests.redis_server import running_redis
+from tests.support.redis_server import running_redis
 
 JOB = "bench"
 WORKER = "bench-worker"

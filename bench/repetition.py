@@ -33,13 +33,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support.fixtures
 
 import pydoc_data.topics
 
 from regen.common.repetition import MIN_REPEATS, WINDOW, tail_loop
 from regen.common.tokenizer import load_tokenizer
-from tests.fixtures.kimi_tokenizer import build_kimi_tokenizer
+from tests.support.fixtures.kimi_tokenizer import build_kimi_tokenizer
 
 NOISE_LEVELS = (0.0, 0.02, 0.05)
 MIN_TEXT_TOKENS = 256

@@ -5,7 +5,7 @@ Each tool gets fresh SGLang stand-ins at a real time scale (32 running slots per
 ms per token per request, lognormal answer lengths averaging 2,000 tokens, as
 bench/long_generations.py starts them) and the same input file: one ShareGPT row per
 prompt, `{"id", "conversations": [{"role": "user", "content": ...}]}`, which both read.
-The stand-in's answer length is a hash of the prompt ids (tests/sglang_standin/
+The stand-in's answer length is a hash of the prompt ids (tests/support/sglang_standin/
 completer.py), and regen renders the ids SGLang's chat path renders for SpecForge's
 `/v1/chat/completions` requests, so both tools get identical work; the bench checks it
 (each prompt answered once on each side, the same output tokens per prompt).
@@ -40,7 +40,7 @@ which worker meets the queue alone is known, not a race between two start-ups; `
 (the default) runs regen's side twice, once each way, against one SpecForge run. Full
 scale, `one` takes ~7 minutes per tool, `two-speed` ~5 minutes per regen side and ~18
 for SpecForge. `--scale 10` divides answer lengths by 10 (under a minute a
-tool; tests/test_specforge_side_by_side.py runs it).
+tool; tests/ops/test_specforge_side_by_side.py runs it).
 
 SpecForge's script is not in the `specforge` wheel: point `--specforge-script` at
 `scripts/regenerate_train_data.py` in a SpecForge checkout (it imports
@@ -84,9 +84,9 @@ from regen.common.chat_family import render_prompt_ids  # noqa: E402
 from regen.common.ledger.commit_ledger import CommitLedger  # noqa: E402
 from regen.common.tokenizer import load_tokenizer  # noqa: E402
 from regen.consumers.tokenize.shard_files import read_manifest  # noqa: E402
-from tests.generate_harness import Worker  # noqa: E402
-from tests.redis_server import running_redis  # noqa: E402
-from tests.sglang_standin.process import StandinHandle  # noqa: E402
+from tests.support.generate_harness import Worker  # noqa: E402
+from tests.support.redis_server import running_redis  # noqa: E402
+from tests.support.sglang_standin.process import StandinHandle  # noqa: E402
 
 RUNS = ("one", "two-speed")
 # Which regen generate worker starts first on a fleet (see the module doc).
@@ -94,7 +94,7 @@ FIRST = ("fast", "slow", "both")
 TOOLS = ("regen", "specforge")
 JOB = "sbs"
 MODEL = "smollm2"
-# The delivery settings a deployment has (tests.generate_harness.Worker shortens them).
+# The delivery settings a deployment has (tests.support.generate_harness.Worker shortens them).
 DEFAULT_DELIVERY = {
     "REGEN_VISIBILITY_TIMEOUT": str(defaults.VISIBILITY_TIMEOUT_S),
     "REGEN_RESTORE_INTERVAL": str(defaults.UNACKED_RESTORE_INTERVAL_S),
@@ -233,7 +233,7 @@ def run_side(tool: str, name: str, first: str, args: argparse.Namespace) -> Side
 
 def write_rows(path: Path, prompts: int) -> tuple[Path, set[int]]:
     """The input both tools read, and the slot-log key of each of its prompts: the hash
-    of the ids SGLang's chat path renders (tests/sglang_standin/scheduler.py)."""
+    of the ids SGLang's chat path renders (tests/support/sglang_standin/scheduler.py)."""
     tokenizer = load_tokenizer(MODEL)
     rows, hashes = [], set()
     for i in range(prompts):

@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support.fixtures
 
 from regen.common.chat_family import detect_family, render_prompt_ids
 from regen.common.jobspec import JobSpec
 from regen.common.record import RecordContext, build_record
 from regen.common.results import GeneratedResult
 from regen.common.tokenizer import load_tokenizer
-from tests.fixtures.kimi_tokenizer import build_kimi_tokenizer
-from tests.sglang_standin.completer import SENTENCES
+from tests.support.fixtures.kimi_tokenizer import build_kimi_tokenizer
+from tests.support.sglang_standin.completer import SENTENCES
 
 IM_END, THINK_END = 163586, 163607
 

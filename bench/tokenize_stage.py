@@ -31,8 +31,8 @@ from regen.common.ledger.commit_ledger import CommitLedger
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.producer.spec import JobOptions, prepare_job
-from tests.helpers import make_result
-from tests.redis_server import running_redis
+from tests.support.helpers import make_result
+from tests.support.redis_server import running_redis
 
 FEED_BATCH = 200
 MAX_BACKLOG = 2000

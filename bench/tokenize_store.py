@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from regen.common import jobspec, keys
 from regen.common.ledger.commit_ledger import CommitLedger
 from regen.producer.spec import JobOptions, prepare_job
-from tests.helpers import make_result, wait_for
-from tests.redis_server import running_redis
-from tests.s3_server import S3Server, s3_server
+from tests.support.helpers import make_result, wait_for
+from tests.support.redis_server import running_redis
+from tests.support.s3_server import S3Server, s3_server
 
 REPO = Path(__file__).resolve().parents[1]
 FEED_BATCH = 200

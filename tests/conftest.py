@@ -13,14 +13,14 @@ import regen.common
 import regen.consumers
 import regen.producer
 from regen.common import settings
-from tests.bucket_stores import KINDS, StoreServer, store_server
-from tests.redis_server import RedisServer, reserved_port, running_redis
+from tests.support.bucket_stores import KINDS, StoreServer, store_server
+from tests.support.redis_server import RedisServer, reserved_port, running_redis
 
 # One torch (OpenMP) thread per process, set before anything imports torch; the
 # processes a test starts (`regen demo`, its workers) inherit it. The suite runs more
 # processes than cores, and torch's default, one thread per core, makes each model step
 # wait at OpenMP barriers for threads that another process holds off the CPU: measured on
-# 2 busy cores, tests/test_local_engine.py took 145 s of CPU with the default and 46 s
+# 2 busy cores, tests/generate/test_local_engine.py took 145 s of CPU with the default and 46 s
 # with one thread, the local-engine demo 137 s and 67 s. What the tests assert does not
 # depend on the thread count: each compares results computed in the same process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -61,7 +61,7 @@ os.environ.setdefault("REGEN_HOME", str(REPO / ".pytest_cache" / "regen"))
 # machine must not change what a test sees. The port is held by a socket that is bound but
 # never listens, so for the whole session nothing answers there (the embedded Redis is
 # "not running") and no test's own Redis can be given it. A test that wants an embedded
-# Redis sets REGEN_EMBEDDED_PORT itself (tests/test_redis_connection.py).
+# Redis sets REGEN_EMBEDDED_PORT itself (tests/common/test_redis_connection.py).
 _EMBEDDED_PORT_HOLDER = reserved_port()
 os.environ["REGEN_EMBEDDED_PORT"] = str(_EMBEDDED_PORT_HOLDER.getsockname()[1])
 
@@ -120,7 +120,7 @@ def needs_missing_package_dir(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Kimi K2-format tokenizer folder (tiktoken, remote code), built from qwen3_6 ranks."""
-    from tests.fixtures.kimi_tokenizer import build_kimi_tokenizer
+    from tests.support.fixtures.kimi_tokenizer import build_kimi_tokenizer
 
     return build_kimi_tokenizer(tmp_path_factory.mktemp("kimi-tokenizer"))
 
@@ -141,7 +141,7 @@ def smollm2_tokenizer() -> Any:
 
 @pytest.fixture(scope="module", params=KINDS)
 def store(request: pytest.FixtureRequest) -> Iterator[StoreServer]:
-    """An object store's emulator (tests/bucket_stores.py), one per kind: a test runs on
+    """An object store's emulator (tests/support/bucket_stores.py), one per kind: a test runs on
     each, or on those it names with `@pytest.mark.parametrize("store", [...],
     indirect=True)`."""
     with store_server(request.param) as server:

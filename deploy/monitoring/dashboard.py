@@ -2,7 +2,7 @@
 
 The JSON is generated, never edited by hand: change a panel here and rerun
     python deploy/monitoring/dashboard.py
-tests/test_monitoring.py fails while the checked-in JSON differs from what this writes,
+tests/ops/test_monitoring.py fails while the checked-in JSON differs from what this writes,
 and its scrape test runs every panel's query against a real Prometheus scraping a
 running job (docs/design.md, Monitoring).
 

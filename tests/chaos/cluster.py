@@ -20,9 +20,9 @@ from pathlib import Path
 import redis
 
 from regen.common import connection
-from tests.generate_harness import REPO, GroupProcess, Worker
-from tests.redis_server import RedisServer
-from tests.sentinel_cluster import MASTER, SentinelCluster
+from tests.support.generate_harness import REPO, GroupProcess, Worker
+from tests.support.redis_server import RedisServer
+from tests.support.sentinel_cluster import MASTER, SentinelCluster
 
 # Leases shortened from 100 s (chunks) and 60 s (shard claims) so that a frozen or dead
 # worker's work comes back within a seed; each is renewed four times a lease.
@@ -31,7 +31,7 @@ SHARD_LEASE_S = 4
 RESTART_DELAY_S = 0.3
 # On a generate worker's PYTHONPATH, its sitecustomize SIGKILLs it inside kombu's window:
 # a chunk popped from the queue, not yet recorded in `unacked`.
-KOMBU_WINDOW = Path(__file__).resolve().parents[1] / "kombu_window"
+KOMBU_WINDOW = Path(__file__).resolve().parents[1] / "support" / "kombu_window"
 
 # A copy of every key with its time to live, taken in one step (a script runs alone),
 # as a backup or a lagging replica holds it: an RDB or AOF keeps each key's expiry.
@@ -101,7 +101,7 @@ class Redis(_Snapshots):
 
 
 class SentinelRedis(_Snapshots):
-    """A primary, a replica and three sentinels (tests/sentinel_cluster.py); every process
+    """A primary, a replica and three sentinels (tests/support/sentinel_cluster.py); every process
     and the harness's own client reach the primary through `sentinel://`, so they follow
     it through a failover (docs/operations.md, Redis Sentinel)."""
 

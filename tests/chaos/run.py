@@ -43,12 +43,12 @@ from tests.chaos.invariant import (
     token_violations,
 )
 from tests.chaos.scenario import EXPORT_CRASHPOINT, Fault, Scenario
-from tests.generate_harness import REPO
-from tests.s3_server import S3Server, s3_server
-from tests.sentinel_cluster import MASTER as SENTINEL_MASTER
-from tests.sglang_standin.completer import Completer
-from tests.sglang_standin.config import LengthDist
-from tests.sglang_standin.process import StandinHandle, run_standin
+from tests.support.generate_harness import REPO
+from tests.support.s3_server import S3Server, s3_server
+from tests.support.sentinel_cluster import MASTER as SENTINEL_MASTER
+from tests.support.sglang_standin.completer import Completer
+from tests.support.sglang_standin.config import LengthDist
+from tests.support.sglang_standin.process import StandinHandle, run_standin
 
 JOB = "chaos"
 GENERATE_ENV = {
@@ -98,8 +98,8 @@ class Environment:
 def environment(mode: str, work: Path) -> Iterator[Environment]:
     from transformers import AutoTokenizer
 
-    from tests.sglang_standin.completer import load_tokenizer
-    from tests.test_record import hermes_tokenizer_dir
+    from tests.common.test_record import hermes_tokenizer_dir
+    from tests.support.sglang_standin.completer import load_tokenizer
 
     model_dir = work / "model"
     if not (model_dir / "tokenizer_config.json").exists():

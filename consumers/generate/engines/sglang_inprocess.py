@@ -16,7 +16,7 @@ any other exception are retried too: never a reason to dead-letter a prompt.
 A crashed scheduler makes SGLang kill this whole process (its SIGQUIT handler), so the
 worker's chunks are redelivered and the chunk-attempt cap catches a poison prompt.
 
-Tests run this module against `tests/sglang_standin/offline_engine.py`, a stand-in for
+Tests run this module against `tests/support/sglang_standin/offline_engine.py`, a stand-in for
 `sglang.Engine` that keeps this contract, and `scripts/check_sglang_api.py` checks the
 API it calls in SGLang's own source.
 """
