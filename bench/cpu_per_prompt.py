@@ -27,7 +27,7 @@ DIR/STAGE-N.txt, collapsed stacks of the threads holding the GIL (where Python s
 `--fleet` runs the same jobs on a mixed fleet instead: two stand-ins of 32 slots, one 16x
 slower than the other (FLEET_MS_PER_TOKEN: 16x), one generate worker each. Prompts then wait in
 the slow worker while the fast one has idle slots, so unstarted prompts are given back
-(docs/design.md, "Only what can start soon"): the run shows what that costs per prompt in
+(docs/design/placement.md, "Only what can start soon"): the run shows what that costs per prompt in
 CPU and in Redis commands.
 
 Each round also prints Redis's commands per prompt (every client's, heartbeats and idle

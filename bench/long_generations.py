@@ -1,5 +1,5 @@
 """Real answer lengths: does a busy server stay busy, and is nothing thrown away? (not a
-test; a measurement, docs/design.md "Timers at real lengths").
+test; a measurement, docs/design/README.md "Timers at real lengths").
 
 Runs the SGLang stand-in at a real time scale (32 running slots per server, 20 ms per
 token per request, answers averaging 2,000 tokens with a lognormal long tail, so ~40 s
@@ -10,16 +10,16 @@ each run:
   until the last prompt (or turn) was started, while some prompt could have started
   but had not (a conversation's next turn can start only once its previous turn has
   ended): no slot idle while work waits. A server whose worker left the job's last
-  prompts to faster servers (docs/design.md, "Faster servers take the end") is not
+  prompts to faster servers (docs/design/placement.md, "Faster servers take the end") is not
   counted while it was away; the seconds it was are printed beside it;
 - waste: the share of busy slot time spent on answers later thrown away (aborted
   mid-way, answered twice, or lost with a killed server);
 - aborted requests, chunks given back (deliveries that ended other than done);
 - prompts moved: prompts a worker had not started and gave back to the queue for
-  another worker's idle slots (docs/design.md, "Only what can start soon"), and of
+  another worker's idle slots (docs/design/placement.md, "Only what can start soon"), and of
   those, the ones the same worker took back and ran (ping-pong: should be 0); prompts
   run per server; running answers a slow worker handed over to faster servers, which
-  continued them, and the tokens they had decoded (docs/design.md, "A slow server's
+  continued them, and the tokens they had decoded (docs/design/placement.md, "A slow server's
   last answers move": moved work, counted as neither waste nor an abort);
 - span over ideal: from the first request to the last answer, over the useful tokens
   at the fleet's token rate (informative only: with long-tailed lengths the last

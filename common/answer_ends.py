@@ -1,4 +1,4 @@
-"""Where an answer ends, as SGLang decides it (docs/design.md, "Where an answer ends").
+"""Where an answer ends, as SGLang decides it (docs/design/sglang.md, "Where an answer ends").
 
 SGLang ends a request on the step that decodes any of these tokens, unless the request
 sets `ignore_eos` (then on none of them): the request's `stop_token_ids`, the model's

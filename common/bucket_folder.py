@@ -1,6 +1,6 @@
 """A job's shard folder in object storage (`--out s3://bucket/prefix`, `gs://`, `az://`):
 the same operations the local folder offers, on a store with no rename and no append
-(docs/design.md, "Shards in object storage").
+(docs/design/tokenize.md, "Shards in object storage").
 
 - A shard is uploaded whole from the writer's local temp file with a create-once put
   (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`, Azure `If-None-Match: *`): a name

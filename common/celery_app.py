@@ -21,7 +21,7 @@ GENERATE_TASK = "regen.generate_chunk"
 # kombu's json serializer calls a Python hook for every object it decodes, and Celery
 # decodes each task body twice (its strategy looks into it, then the task's tracer),
 # which took ~5% of a generate worker's CPU. Messages enqueued as "application/json"
-# by earlier versions are still accepted. docs/design.md, "JSON, never pickle".
+# by earlier versions are still accepted. docs/design/delivery.md, "JSON, never pickle".
 CHUNK_SERIALIZER = "regen-json"
 CHUNK_CONTENT_TYPE = "application/x-regen+json"
 serialization.register(
@@ -67,7 +67,7 @@ def make_app(redis_url: str) -> Celery:
     broker_url, transport_options = broker(redis_url)
     app = Celery("regen", broker=broker_url, set_as_current=False)
     app.conf.update(
-        # JSON only: a pickle in Redis would run code on every worker (docs/design.md,
+        # JSON only: a pickle in Redis would run code on every worker (docs/design/delivery.md,
         # "JSON, never pickle").
         task_serializer=CHUNK_SERIALIZER,
         accept_content=["json", CHUNK_SERIALIZER],
@@ -79,7 +79,7 @@ def make_app(redis_url: str) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         # A chunk keeps running across a Redis blip: its lease says who holds it, and a
-        # worker that lost it drops its results (docs/design.md, Delivery protocol). The
+        # worker that lost it drops its results (docs/design/delivery.md, Delivery protocol). The
         # thread pool could not cancel a running task anyway.
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry_on_startup=True,

@@ -32,7 +32,7 @@ class ChunkPrompt:
     # first turn's, and `prompt_ids` may be empty: the worker renders them.
     conversation: Conversation | None = None
     # The answer so far, decoded on a slower server that handed the prompt over at a
-    # job's end (docs/design.md, "A slow server's last answers move"): the worker
+    # job's end (docs/design/placement.md, "A slow server's last answers move"): the worker
     # continues it rather than starting anew. None for a prompt never started.
     resume_ids: list[int] | None = None
 

@@ -5,7 +5,7 @@ generate worker giving back a chunk's unstarted prompts, chunk_life).
 
 Celery publishes outside any transaction, so regen lets Celery and kombu build the
 message (headers, properties, delivery tag, priority list key) and captures the Redis
-commands instead of running them (docs/design.md, Atomic publish).
+commands instead of running them (docs/design/producer.md, Atomic publish).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ PLAN_SERVERS = 1
 # every heartbeat, so a live worker keeps a chunk however long it runs, and a dead
 # worker's chunks are restored once this much has passed since its last heartbeat. Every
 # process on one Redis must use the same value (env: REGEN_VISIBILITY_TIMEOUT); see
-# docs/design.md, Delivery protocol.
+# docs/design/delivery.md, Delivery protocol.
 VISIBILITY_TIMEOUT_S = 100
 # How often kombu sweeps for unacked messages past the lease (interval x throttle
 # seconds; env: REGEN_RESTORE_INTERVAL, REGEN_RESTORE_THROTTLE). A dead worker's chunks
@@ -204,7 +204,7 @@ FOLLOW_POLL_S = 30.0
 # round trip (plus the generate worker's screen, well under a second); 90 s is far above
 # that and above a Redis restart or Sentinel failover (4 s measured), while a worker
 # stopped longer (SIGSTOP, a VM paused) has its chunk queued again: when it wakes, the
-# chunk lease and the commit ledger keep its prompts' answers once (docs/design.md).
+# chunk lease and the commit ledger keep its prompts' answers once (docs/design/README.md).
 FOLLOW_GRACE_S = 90.0
 # A tokenize worker's lock on a job's recovery expires this long after its last renewal
 # (renewed at a third of it while recovery runs): a worker killed mid-recovery lets

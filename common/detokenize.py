@@ -3,7 +3,7 @@
 Shared by the tokenize stage, which checks a server's `text` against it, and both
 stages where a server sent no text at all (SGLang started with `--skip-tokenizer-init`
 replies with `output_ids` only): there the text a turn's answer, reasoning and tool calls
-are read from is this decode (docs/design.md, "SGLang contract"). Never the other way:
+are read from is this decode (docs/design/sglang.md, "SGLang contract"). Never the other way:
 records are built from the ids, and text is never re-tokenized.
 """
 

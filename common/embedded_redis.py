@@ -52,7 +52,7 @@ def redis_config(data_dir: Path, port: int, *, unixsocket: Path | None = None) -
         "--appendonly",
         "yes",
         # Every acknowledged write is on disk: a kill -9 of Redis loses nothing that a
-        # stage already acted on (docs/design.md, Redis settings).
+        # stage already acted on (docs/design/exactly-once.md, Redis settings).
         "--appendfsync",
         "always",
         "--save",

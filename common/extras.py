@@ -1,6 +1,6 @@
 """regen's optional extras (pyproject.toml, [project.optional-dependencies]) and the one
 line a command says when it needs one that is not installed: what to install, before
-it starts anything, never an import traceback halfway through (docs/design.md, "Optional
+it starts anything, never an import traceback halfway through (docs/design/limits.md, "Optional
 extras").
 
 Packages are looked up with `find_spec`, which finds a package without importing it:

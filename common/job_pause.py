@@ -1,4 +1,4 @@
-"""Pausing a job (`regen pause JOB [--now]`, `regen resume JOB`; docs/design.md,
+"""Pausing a job (`regen pause JOB [--now]`, `regen resume JOB`; docs/design/placement.md,
 "Drain and pause").
 
 A pause is one key per job, written by the operator's commands alone and read by the

@@ -38,7 +38,7 @@ PROMPT_TEXT_AS_WRITTEN = "as_written"
 PROMPT_TEXT_STRIPPED = "stripped"
 PROMPT_TEXT_RULES = frozenset({PROMPT_TEXT_AS_WRITTEN, PROMPT_TEXT_STRIPPED})
 
-# SGLang sampling_params regen lets a job set (docs/design.md, SGLang contract).
+# SGLang sampling_params regen lets a job set (docs/design/sglang.md, SGLang contract).
 SAMPLING_KEYS = frozenset(
     {
         "max_new_tokens",

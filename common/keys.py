@@ -2,7 +2,7 @@
 
 Per-job keys hold ids and small records, except dead letters: prompt payloads are in Redis
 while their chunk is waiting or in flight, as a result not yet in a shard, or in a DLQ
-entry (which keeps what a requeue needs); see docs/design.md, Memory bound.
+entry (which keeps what a requeue needs); see docs/design/limits.md, Memory bound.
 """
 
 from __future__ import annotations

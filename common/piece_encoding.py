@@ -6,7 +6,7 @@ piece alike wherever it stands (`encodes_piecewise`), the ids of a text are the 
 its pieces and split tokens in order. Prompts of one dataset share many pieces: the
 system prompt, role headers, the generation prompt. The byte-level pre-tokenizer's regex
 is most of a short prompt's encoding cost, so a piece seen recently is looked up instead
-of encoded again (docs/design.md, "Chat formats").
+of encoded again (docs/design/records.md, "Chat formats").
 
 A token splits text here only where the pipeline itself always splits there (`split_at`):
 otherwise the pieces would be cut differently and the ids could differ.

@@ -1,12 +1,12 @@
 """What made a job's data: written once when the job is created, kept in Redis, copied into
-the job's shard folder (`provenance.json`) and into every export (docs/design.md,
+the job's shard folder (`provenance.json`) and into every export (docs/design/records.md,
 "Provenance").
 
 A trainer reading a dataset months later needs to know which regen, which model (and
 revision), which template and tokenizer, which sampling the server really used, and
 whether thinking was on. The sampling a job sends leaves some parameters unset on
 purpose: SGLang fills an unset temperature, top_p, top_k or min_p from the model's
-`generation_config.json` (docs/design.md, SGLang contract), so the effective values are
+`generation_config.json` (docs/design/sglang.md, SGLang contract), so the effective values are
 the job's with the model's filling the gaps, as the server does.
 """
 

@@ -1,7 +1,7 @@
 """Quality flags: what a trainer may want to leave out of a record, said in the record.
 
 A record stays token-exact and on-policy whatever its flags: the flags say how the answer
-went, so that an export can drop what a drafter should not learn from (docs/design.md,
+went, so that an export can drop what a drafter should not learn from (docs/design/records.md,
 "Quality flags"). They are computed by the tokenize stage from what it already holds:
 
 - `empty`: no answer text, no tool call and no thinking.

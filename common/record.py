@@ -104,7 +104,7 @@ class Reason(ReasonCode):
     STOP_MISMATCH = "stop_mismatch"  # finish says a stop token matched, output ends otherwise
     # An end-of-turn token before the answer's last token, or more answer tokens than
     # max_new_tokens: no server decodes that, so the answer is not one server's
-    # (common/answer_ends.py; docs/design.md, "Where an answer ends").
+    # (common/answer_ends.py; docs/design/sglang.md, "Where an answer ends").
     END_INSIDE_ANSWER = "end_inside_answer"
     OVER_BUDGET = "over_budget"
     TEXT_MISMATCH = "text_mismatch"
@@ -263,7 +263,7 @@ def _check_finish(result: GeneratedResult) -> str:
 def _check_one_answer(result: GeneratedResult, ctx: RecordContext) -> None:
     """The answer is one a server could have decoded: no end token before its last, no
     more tokens than its budget. An answer moved between servers is the one way regen
-    could break either (docs/design.md, "Where an answer ends"); a trainer reading only
+    could break either (docs/design/sglang.md, "Where an answer ends"); a trainer reading only
     `input_ids` and `loss_mask` (SpecForge) would learn from such a record whatever flag
     it carried, so it is refused here, never shipped."""
     sampling = _sampling(result, ctx)

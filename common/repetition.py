@@ -6,7 +6,7 @@ A drafter trained on such a record learns to predict loops. The check works on t
 ids the tokenize stage already holds (no decoding) and looks only at the tail: a loop that
 the model left again is text, not a failure.
 
-The rule (docs/design.md, "Quality flags"): the output ends in a loop when, for some period
+The rule (docs/design/records.md, "Quality flags"): the output ends in a loop when, for some period
 `p` (1 to `MAX_PERIOD` tokens), its last `span` tokens repeat with period `p` (each token
 equal to the one `p` before it, allowing `MISMATCH_RATE` of them to differ: sampling at
 temperature 1 varies a loop a little) and the span holds at least `MIN_REPEATS` copies and

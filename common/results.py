@@ -48,7 +48,7 @@ class GeneratedResult:
     # The server's SGLang version where it reported one (provenance); None otherwise.
     server_version: str | None = None
     # The first this many output_ids were decoded on a slower server that handed the
-    # answer over to `server` at the job's end (docs/design.md, "A slow server's last
+    # answer over to `server` at the job's end (docs/design/placement.md, "A slow server's last
     # answers move"); 0: all on `server`.
     resumed_tokens: int = 0
 

@@ -4,7 +4,7 @@ A tokenizer's fingerprint covers its chat template (common/tokenizer_fingerprint
 a host whose model folder holds another template (or another tokenizer) cannot make the
 job's data: its worker refuses the job rather than render or check with it. The refusal
 is kept per job and worker, so `regen status` and `regen verify` say which worker it is
-and why (docs/design.md, Provenance).
+and why (docs/design/records.md, Provenance).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How long the dataset's own answer to a row is: what predicts the length of the answer
-the target will write (docs/design.md, "Longest answers first").
+the target will write (docs/design/producer.md, "Longest answers first").
 
 A row that carries the answers regen regenerates (the trailing assistant turns of a
 conversation, the assistant turns `--turns all` regenerates one by one, an Alpaca

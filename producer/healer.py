@@ -1,5 +1,5 @@
 """`regen enqueue --follow`: the producer stays with its job until every prompt has a
-place, and queues again what a failure lost (docs/design.md, "Healing").
+place, and queues again what a failure lost (docs/design/exactly-once.md, "Healing").
 
 Only the producer holds the prompts' data (its dataset files), so it is the one that
 can queue a lost prompt again. Two failures lose prompts with no record: a chunk popped

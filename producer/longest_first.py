@@ -1,5 +1,5 @@
 """The order prompts go on the queue: within each window of rows, the longest dataset
-answers first (docs/design.md, "Longest answers first").
+answers first (docs/design/producer.md, "Longest answers first").
 
 A job ends on its last answers. If a long one starts last, it runs alone on a server
 whose other slots have emptied, and the job waits for it: the tail. Started first, the

@@ -2,7 +2,7 @@
 
 The producer is built to be rerun: cursors, chunk ids and prompt ids are in Redis, and
 each publish is one script, so a run cut off at any instant and started again continues
-where it stopped, enqueueing nothing twice (docs/design.md, Atomic publish). A Redis outage
+where it stopped, enqueueing nothing twice (docs/design/producer.md, Atomic publish). A Redis outage
 (restart, a Sentinel failover: docs/operations.md) is therefore waited out by starting
 the run again in-process, as a supervisor would, instead of exiting.
 """

@@ -9,7 +9,7 @@ all or nothing. The script first
 checks that each cursor is not behind where this producer last moved it: a cursor
 behind means Redis was restored from an older copy, which lost the chunks published
 since, and the producer reads the file again from the cursor Redis has (CursorBehind;
-docs/design.md, Delivery protocol). A requeued chunk
+docs/design/delivery.md, Delivery protocol). A requeued chunk
 (`regen dlq requeue`) goes out the same way, with its dead letters removed in that same
 script instead of its ids recorded (they are in the job already).
 """

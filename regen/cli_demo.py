@@ -51,7 +51,7 @@ def _demo_options(**values: Any) -> DemoOptions:
     THINKING,
     max_new_tokens_option(defaults.DEMO_MAX_NEW_TOKENS),
     # Unset, as `regen enqueue` leaves them: the model samples as its generation_config
-    # says, on-policy (docs/design.md, SGLang contract).
+    # says, on-policy (docs/design/sglang.md, SGLang contract).
     click.option(
         "--temperature",
         type=click.FloatRange(min=0),

@@ -100,7 +100,7 @@ def enqueue(
 
     Safe to rerun: prompts already in the job are skipped, and after a crash the same
     command continues where it stopped. With --follow it heals the job until it is done
-    (docs/design.md, "Healing").
+    (docs/design/exactly-once.md, "Healing").
     """
     # Imported here: transformers takes seconds to import, `regen --help` should not.
     from regen.common.celery_app import make_app
@@ -160,7 +160,7 @@ def enqueue(
         click.echo(f"job {options.job}: following it until every prompt has a place", err=True)
         # Stopped as a service is (SIGTERM): a clean exit, its key gone at once so that
         # `regen status` says the job is unfollowed. Anywhere is safe to stop at: the
-        # enqueue resumes from Redis (docs/design.md, Atomic publish).
+        # enqueue resumes from Redis (docs/design/producer.md, Atomic publish).
         signal.signal(signal.SIGTERM, _stop_following)
         try:
             follower.run()

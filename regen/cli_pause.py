@@ -1,5 +1,5 @@
 """`regen pause` and `regen resume`: stop a job's generation and let it go on
-(common/job_pause.py; docs/design.md, "Drain and pause")."""
+(common/job_pause.py; docs/design/placement.md, "Drain and pause")."""
 
 from __future__ import annotations
 

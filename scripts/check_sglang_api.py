@@ -1,7 +1,7 @@
 """Check SGLang's source (an unpacked wheel or an installed package) for the in-process
 API that `--engine sglang-engine` and the offline stand-in rely on, and for the
 `POST /abort_request` contract that regen's hand-over and the HTTP stand-in rely on
-(docs/design.md, "SGLang contract"), without importing it (importing sglang needs CUDA).
+(docs/design/sglang.md, "SGLang contract"), without importing it (importing sglang needs CUDA).
 
     python scripts/check_sglang_api.py PATH/TO/sglang      # the package folder
     python scripts/check_sglang_api.py sglang-0.5.23-*.whl  # or a wheel

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# mypy over the installed namespace (regen.common is common/: docs/design.md, Layout);
+# mypy over the installed namespace (regen.common is common/: docs/design/README.md, Layout);
 # its settings are in pyproject.toml [tool.mypy].
 .venv/bin/python scripts/typecheck.py
 # Tests run in parallel processes (pytest-xdist), each with its own Redis and folders.

@@ -2,7 +2,7 @@
 
 The code lives in four top-level folders that pyproject.toml maps into one namespace
 (setuptools' package-dir: regen/, and common/, producer/, consumers/ as regen.common,
-regen.producer, regen.consumers; docs/design.md, Layout). mypy finds modules by folder
+regen.producer, regen.consumers; docs/design/README.md, Layout). mypy finds modules by folder
 and knows no such mapping: a plain `mypy` in the repository sees `regen/` alone and
 cannot follow `regen.common`. So this lays out the installed tree under build/typecheck/
 (links to the real folders, made from pyproject.toml's mapping on every run) and runs

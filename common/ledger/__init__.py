@@ -1,5 +1,5 @@
 """Exactly-once state: what proves, in Redis, where each of a job's prompt ids is
-(docs/design.md, Exactly-once commits and Accounting). A change to what "enqueued" or
+(docs/design/exactly-once.md, Exactly-once commits and Accounting). A change to what "enqueued" or
 "committed" means starts and ends here.
 
 Each module, the keys it holds (common/keys.py) and who writes them:

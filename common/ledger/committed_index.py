@@ -2,7 +2,7 @@
 
 The tokenize stage's commit ledger (common/ledger/commit_ledger.py) writes the index; the
 producer reads it to skip prompts already settled (after `regen recover`) without
-reaching into a consumer (docs/design.md, Exactly-once commits).
+reaching into a consumer (docs/design/exactly-once.md, Exactly-once commits).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ compact listpack (a ziplist before Redis 7.0): an id costs its bytes and ~4 more
 a big hash or set costs ~50 bytes of pointers and headers per member on top of the
 string. So the job's id index and its committed index are split into `count` hashes
 (buckets) each, sized from the job's expected number of ids so a bucket holds ~32-64
-(docs/design.md, Redis keys and Reasons behind the choices).
+(docs/design/exactly-once.md, Redis keys and Reasons behind the choices).
 
 Python keeps the ids as strings; only their stored form changes. A field is one tag byte
 then the id: `h` + the 8 bytes of a 16-hex prompt id, `t` + those of a conversation id

@@ -2,7 +2,7 @@
 reads `regen verify` places every id with, and the ids in no place that the job's
 follower and `regen recover` give back to the job's enqueue.
 
-A prompt id is, at any moment, in one of these places (docs/design.md, Accounting), in
+A prompt id is, at any moment, in one of these places (docs/design/exactly-once.md, Accounting), in
 the order it moves through them:
 - waiting: in a chunk on the job's generate queue (kombu's Redis lists);
 - in flight: in a chunk a worker holds (kombu's `unacked` hash), as a result on the

@@ -9,7 +9,7 @@ or was frozen past its lease) skips the prompts already handed off. Every such w
 goes through chunk_life (its handoff.py) and checks, in its transaction, that this
 delivery still holds the chunk's lease: a worker that lost it drops its results. The delivery is
 acknowledged only after every prompt is in the results stream or the DLQ
-(docs/design.md, Delivery protocol). A chunk of conversations (`--turns all`) runs each
+(docs/design/delivery.md, Delivery protocol). A chunk of conversations (`--turns all`) runs each
 one's turns in order (turns.py), each turn settled through the same commit path.
 """
 
@@ -150,7 +150,7 @@ def _generate_all(
 ) -> tuple[int, int]:
     """Generate the chunk's prompts `held`: those its worker can start soon at once, the
     rest as its slots free, or given back to the queue as soon as another worker has idle
-    slots (docs/design.md, "Only what can start soon"); (handed off, dead-lettered)."""
+    slots (docs/design/placement.md, "Only what can start soon"); (handed off, dead-lettered)."""
     batch = held.start_first()
     lease.on_lost(batch.cancel)  # a lease a heartbeat found lost stops them at once
     generated = rejected = 0

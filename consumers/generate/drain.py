@@ -1,5 +1,5 @@
 """A generate worker's drain: the first SIGTERM (or SIGINT) moves every running answer
-back to the queue and the worker exits within `--drain-timeout` (docs/design.md, "Drain
+back to the queue and the worker exits within `--drain-timeout` (docs/design/placement.md, "Drain
 and pause").
 
 Celery's warm shutdown alone stops taking chunks and then waits for the running ones,

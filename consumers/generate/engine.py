@@ -22,11 +22,11 @@ class GenerateRequest:
     sampling: dict[str, Any]
     # Requests with the same key prefer the server that served the last of them (the
     # conversation id of a `--turns all` turn), whose radix cache still holds their
-    # prefix; None routes by load alone (docs/design.md, "Turns").
+    # prefix; None routes by load alone (docs/design/delivery.md, "Turns").
     affinity: str | None = None
     # A later turn of a conversation this worker runs: it takes a freed slot before
     # waiting first turns, so started conversations finish and no slot idles while a
-    # conversation's next turn waits (docs/design.md, "Turns").
+    # conversation's next turn waits (docs/design/delivery.md, "Turns").
     next_turn: bool = False
 
 
@@ -82,14 +82,15 @@ class EngineError(Exception):
 class EngineUnavailable(EngineError):
     """The engine cannot serve right now (down, overloaded, timed out): retry later.
 
-    Never a reason to dead-letter a prompt (docs/design.md, "A dead server is not a bad prompt").
+    Never a reason to dead-letter a prompt (docs/design/delivery.md, "A dead server is not
+    a bad prompt").
     """
 
 
 class EngineDown(EngineUnavailable):
     """No server the request may use has been healthy for the caller's whole `outage_s`:
     the worker gives the chunk back so that a worker with a live server takes it. Never
-    raised because servers are busy (docs/design.md, "Timers at real lengths")."""
+    raised because servers are busy (docs/design/limits.md, "Timers at real lengths")."""
 
 
 class PromptRejected(EngineError):
@@ -136,7 +137,7 @@ class Engine(Protocol):
 
     async def hand_over(self, rid: str) -> bool:
         """Stop the running request `rid` so that its generate() returns the answer so
-        far, marked `handed_over` (docs/design.md, "A slow server's last answers move");
+        far, marked `handed_over` (docs/design/placement.md, "A slow server's last answers move");
         False where the engine cannot (then the request runs on untouched). A request
         that finishes meanwhile returns its completion as usual."""
         ...

@@ -21,7 +21,7 @@ And it keeps, for each message it delivers, the bytes it popped and the list it 
 them from, in the worker's lease book (chunk_life), under the delivery tag kombu records
 the delivery by: a copy of Redis taken between the pop and that record holds the message
 nowhere, and the worker whose lease that rollback ends puts it back
-(`ChunkLease.hand_back_if_forgotten`; docs/design.md, Delivery protocol).
+(`ChunkLease.hand_back_if_forgotten`; docs/design/delivery.md, Delivery protocol).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def screening_transport(
                 # client here with AttributeError, which Celery takes for an unrecoverable
                 # error and stops the worker. Lost is what the connection is: kombu logs
                 # that and goes on, and the delivery stays unacked for its restore sweep
-                # (docs/design.md, "Delivery protocol").
+                # (docs/design/delivery.md, "Delivery protocol").
                 raise redis.ConnectionError("the channel was closed: its connection was lost")
             client = super()._create_client(asynchronous=asynchronous)
             parse = client.response_callbacks.get("BRPOP")

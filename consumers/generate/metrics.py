@@ -34,7 +34,7 @@ class GenerateCollector(Collector):
              ctx.tokens),
             ("regen_generate_handed_over_answers",
              "Running answers this worker handed over to faster servers, which continue "
-             "them (docs/design.md, A slow server's last answers move).",
+             "them (docs/design/placement.md, A slow server's last answers move).",
              ctx.handed_over),
             ("regen_generate_handed_over_tokens",
              "Output tokens the answers handed over had decoded here (kept, not lost).",

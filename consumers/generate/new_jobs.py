@@ -1,7 +1,7 @@
 """A generate worker's wake-up at a new job: `jobspec.save` publishes a new job's name on
 keys.NEW_JOBS_CHANNEL, and the worker's watcher, which polls the job registry every
 few seconds, waits on that channel between polls instead of sleeping, so an idle worker
-takes a new job's queue within a moment of its spec being stored (docs/design.md,
+takes a new job's queue within a moment of its spec being stored (docs/design/delivery.md,
 Generate: following new jobs).
 
 Only a wake-up: pub/sub drops messages while a subscriber is disconnected, so the poll

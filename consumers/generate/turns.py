@@ -95,7 +95,7 @@ class _Conversations:
             prompt_ids=turn.prompt.prompt_ids,
             sampling=dict(self.sampling),
             # The turns of a conversation follow each other to one server, whose radix
-            # cache holds the conversation so far (docs/design.md, "Turns").
+            # cache holds the conversation so far (docs/design/delivery.md, "Turns").
             affinity=f"{self.chunk.job}/{turn.conversation.id}",
             # Its conversation's earlier turn ran here: it starts before new ones.
             next_turn=turn.index > turn.conversation.start,
@@ -134,7 +134,7 @@ class _Conversations:
     def _leave_if_stopping(self) -> None:
         """A worker that drains (or a job paused with --now) gives the chunk back: its
         finished turns are checkpointed, and a redelivery goes on from its first open
-        turn; the turns running now start again there (not moved: docs/design.md,
+        turn; the turns running now start again there (not moved: docs/design/placement.md,
         "Drain and pause"). Raises ChunkDeferred."""
         ctx = self.ctx
         if ctx.messages is None:

@@ -3,7 +3,7 @@
 One unreadable entry (not JSON, not an object, a field missing or of the wrong type, no
 result field at all) must not stop the stage, or it would crash-loop on that entry: it
 is dead-lettered with its bytes (capped) and a reason, and acknowledged
-(docs/design.md, Tokenize). An entry written by a newer regen, with fields this one does
+(docs/design/tokenize.md, Tokenize). An entry written by a newer regen, with fields this one does
 not know (in the result or beside it on the entry), is read without them: a rolling
 upgrade that adds a field must not dead-letter the results of the upgraded workers.
 """
@@ -65,7 +65,7 @@ class Unreadable:
     def entry_id(self) -> str:
         """The DLQ entry id of an entry naming no prompt of the job: stable per content,
         so the same entry read twice (a redelivery) overwrites its dead letter. Its ':'
-        marks it as no prompt's (docs/design.md, Dead-letter entries)."""
+        marks it as no prompt's (docs/design/records.md, Dead-letter entries)."""
         return f"result:raw-{hashlib.blake2b(self.raw, digest_size=8).hexdigest()}"
 
     def payload(self) -> dict[str, Any]:

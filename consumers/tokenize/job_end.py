@@ -1,7 +1,7 @@
 """Whether a job has nothing left to come to the tokenize stage: every prompt of the job
 generated (its result on the stream or in a shard), dead-lettered or purged. A consumer
 then commits its open shard of the job at once instead of after `--idle-commit`
-(docs/design.md, Tokenize: the job's last shard).
+(docs/design/tokenize.md, Tokenize: the job's last shard).
 
 Two readings, the cheap one first:
 - a bound, O(1) in one script: ids in the job against ids committed, results on the
@@ -15,7 +15,7 @@ Two readings, the cheap one first:
   costs little.
 
 A wrong "nothing left" only commits a shard early (a smaller shard, then another):
-exactly-once does not rest on it, the commit ledger does (docs/design.md, Exactly-once
+exactly-once does not rest on it, the commit ledger does (docs/design/exactly-once.md, Exactly-once
 commits). It can happen while `regen enqueue` is between two chunks of a file with
 every published prompt already done, or when a later requeue or follower pass adds
 prompts to a job that was done.

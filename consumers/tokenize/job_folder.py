@@ -1,9 +1,9 @@
 """Where a job's shards are placed and read: `OUT/JOB` on local disk, or in a bucket when
-`--out` is an object storage URL (docs/design.md, "Shards in object storage").
+`--out` is an object storage URL (docs/design/tokenize.md, "Shards in object storage").
 
 One commit path, two backends: the tokenize writer, recovery and every reader go through
 a JobFolder, and only its two classes know which kind of store is under it. The local one
-is the protocol of docs/design.md, "Exactly-once commits" (link, fsync, appended
+is the protocol of docs/design/exactly-once.md, "Exactly-once commits" (link, fsync, appended
 manifest); the bucket one puts each shard and each manifest line once, as an object.
 A writer's temp files are always on local disk (`spool`): in the folder itself when it is
 local, in a spool folder on the tokenize host when it is a bucket.

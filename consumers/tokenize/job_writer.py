@@ -1,12 +1,12 @@
 """One job's side of a tokenize consumer: results in, records into shards, commits out.
 
 Stream entries are acknowledged only when the shard holding their record is in place
-and committed (docs/design.md, Exactly-once commits), or at once when their id is
+and committed (docs/design/exactly-once.md, Exactly-once commits), or at once when their id is
 already in a committed shard (a duplicate from a chunk that ran twice). An entry whose id
 is claimed by a shard that is still pending is left alone: it is either committed (then
 a later delivery is a duplicate) or released (then it is written again). An entry
 that holds no readable result is dead-lettered with its bytes, never left to stop the
-stage (entries.py; docs/design.md, Tokenize).
+stage (entries.py; docs/design/tokenize.md, Tokenize).
 
 The disk is the truth for committed shards: a writer checks that Redis knows every
 shard of its folder when it opens the job and before each commit, never takes a shard
@@ -174,7 +174,7 @@ class JobWriter:
     def _named_prompts(self, unreadable: list[tuple[str, Unreadable]]) -> list[tuple[str, Taken]]:
         """Unreadable entries that name a prompt of the job, to be placed like its result
         (a copy of a committed one is a duplicate); the others are dead-lettered now,
-        under an id of their own, counted apart from prompts (docs/design.md, Tokenize)."""
+        under an id of their own, counted apart from prompts (docs/design/tokenize.md, Tokenize)."""
         named = [(e, u) for e, u in unreadable if u.prompt_id is not None]
         known = self._job_ids.get([u.prompt_id for _, u in named if u.prompt_id is not None])
         kept: list[tuple[str, Taken]] = []

@@ -11,7 +11,7 @@ each of the job's chunks still waiting or in flight, every conversation's turns 
 are committed to a shard on disk (a prefix of its turns: a turn is handed off only
 after the one before it) are marked generated and their answers checkpointed from
 their records, one transaction per chunk; a conversation committed whole has its
-checkpoint dropped, as its last hand-off would have (docs/design.md, Exactly-once
+checkpoint dropped, as its last hand-off would have (docs/design/exactly-once.md, Exactly-once
 commits). Memory: the window's chunks and the answers of their committed turns.
 
 A conversation whose chunk Redis lost whole (published after the copy was taken) has no

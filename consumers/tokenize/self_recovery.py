@@ -10,7 +10,7 @@ Redis behind runs it again (recovery is safe to rerun). Under the lock the folde
 checked again: a worker that took the lock just after another finished finds nothing
 to do. While Redis is behind, `keys.job_behind` is set, so that the job's follower
 (`regen enqueue --follow`, producer/healer.py) forgets no id and queues nothing before
-the ledger is whole again: recovery deletes it (docs/design.md, "Healing").
+the ledger is whole again: recovery deletes it (docs/design/exactly-once.md, "Healing").
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def _link_new(tmp: Path, final: Path) -> None:
 
 def append_manifest(folder: Path, info: ShardInfo) -> None:
     """Append a shard's line and fsync; a torn last line (a crash mid-append) is cut
-    off first, so the manifest heals at its next append (docs/design.md, Tokenize)."""
+    off first, so the manifest heals at its next append (docs/design/tokenize.md, Tokenize)."""
     with open(folder / MANIFEST, "a+b") as fh:
         # Appenders of one folder one at a time: a repair must never cut the line
         # another consumer is writing (the lock goes with the file's close).

@@ -7,7 +7,7 @@ is dead when its heartbeat (keys.WORKERS) is stale, or, having none (stopped cle
 or not beating yet), when the stream has not seen it for as long: its entries are
 claimed by a live consumer and the dead name is removed from the group. A consumer
 also re-reads entries of its own that it left unacknowledged (their ids were held by
-another shard, or Redis went away mid-commit). See docs/design.md, Tokenize.
+another shard, or Redis went away mid-commit). See docs/design/tokenize.md, Tokenize.
 """
 
 from __future__ import annotations

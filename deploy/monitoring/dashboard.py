@@ -4,7 +4,7 @@ The JSON is generated, never edited by hand: change a panel here and rerun
     python deploy/monitoring/dashboard.py
 tests/ops/test_monitoring.py fails while the checked-in JSON differs from what this writes,
 and its scrape test runs every panel's query against a real Prometheus scraping a
-running job (docs/design.md, Monitoring).
+running job (docs/design/limits.md, Monitoring).
 
 Metric names: regen_job_* and regen_redis_* come from `regen metrics serve`
 (regen/ops/job_metrics.py), regen_sglang_server_* from each generate worker

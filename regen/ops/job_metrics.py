@@ -1,6 +1,6 @@
 """Job-wide Prometheus metrics, served by one process (`regen metrics serve`): per job
 its progress, dead letters, ETA, shard bytes and the disk left for them, plus the fleet's
-live workers per host and Redis memory (docs/design.md, Monitoring).
+live workers per host and Redis memory (docs/design/limits.md, Monitoring).
 
 Generate workers come and go, so nothing here depends on which of them is up: every
 number is read from Redis, as `regen status` reads it (ops/status_snapshot.py), and the

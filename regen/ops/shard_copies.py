@@ -5,7 +5,7 @@ A record is the same record when its job and id are (the job as the record names
 a copied folder's records are copies whatever the folder is called; two jobs over one
 dataset share prompt ids, and each job's answer is its own record). `regen shards
 export` writes the first copy read and skips the others; `regen shards verify` reports
-them (docs/design.md, Tokenize).
+them (docs/design/tokenize.md, Tokenize).
 
 A set of 10M keys would take ~1 GB of Python objects, so keys are spilled instead:
 `add` writes each record's key and place (shard number, row) to one of B bucket files

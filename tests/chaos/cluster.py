@@ -125,7 +125,7 @@ class SentinelRedis(_Snapshots):
 
     def failover(self) -> int:
         """SIGKILL the primary without waiting for its replica to catch up (a failover
-        that loses the last writes is a rollback, healed by regen: docs/design.md,
+        that loses the last writes is a rollback, healed by regen: docs/design/exactly-once.md,
         Healing); the sentinels promote the replica. Returns the killed port."""
         server = self.primary()
         server.kill()

@@ -383,7 +383,7 @@ class Run:
 
     def rollback(self) -> None:
         """Redis back from the copy, and nothing else: the tokenize stage rebuilds the
-        ledger and the follower queues what the copy lost (docs/design.md, Healing)."""
+        ledger and the follower queues what the copy lost (docs/design/exactly-once.md, Healing)."""
         assert self.copy is not None
         self.redis.restore(self.copy)
 

@@ -22,7 +22,7 @@ COMPOSE: dict[str, Any] = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 # The source folders the image copies; only `regen` is installed (the others are its
-# subpackages, linked from regen/: see docs/design.md, "Layout").
+# subpackages, linked from regen/: see docs/design/README.md, "Layout").
 PACKAGES = ("regen", "common", "consumers", "producer")
 
 
@@ -253,7 +253,7 @@ def test_the_optional_router_fronts_the_sglang_server_with_flags_it_accepts() ->
     sglang_port = options_of(as_argv(SERVICES["sglang"]["command"]))["--port"]
     assert options["--worker-urls"] == f"http://sglang:{sglang_port}"
     assert options["--policy"] == "cache_aware"
-    # A wedged SGLang server passes /health (docs/design.md, "SGLang contract").
+    # A wedged SGLang server passes /health (docs/design/sglang.md, "SGLang contract").
     assert options["--health-check-endpoint"] == "/health_generate"
     published = [str(p) for p in router["ports"]]
     assert any(p.endswith(f":{options['--port']}") for p in published), published

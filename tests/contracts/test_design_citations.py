@@ -1,6 +1,7 @@
-"""Every section of docs/design.md a comment or docstring cites exists: the code's
-reasons point at text a reader can find (`docs/design.md, "Section"` or
-`docs/design.md, Section`, a citation running on over its comment's next lines)."""
+"""Every section of the design (docs/design/) a comment or docstring cites exists in
+the file it names: the code's reasons point at text a reader can find
+(`docs/design/FILE.md, "Section"` or `docs/design/FILE.md, Section`, a citation running
+on over its comment's next lines). The design's front page stays short."""
 
 from __future__ import annotations
 
@@ -8,27 +9,30 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DESIGN = REPO / "docs" / "design.md"
+DESIGN = REPO / "docs" / "design"
 SOURCES = ("common", "consumers", "producer", "regen", "deploy", "scripts", "bench", "tests")
-# A citation: the file's name, then ", " or ": ", then the section, quoted or not.
-CITATION = re.compile(r'docs/design\.md[,:] ?(?:"(?P<quoted>[^"]+)"|(?P<bare>[^)"]+))')
+# A citation: the file's path, then ", " or ": ", then the section, quoted or not.
+CITATION = re.compile(
+    r'docs/design/(?P<file>[\w.-]+\.md)[,:] ?(?:"(?P<quoted>[^"]+)"|(?P<bare>[^)"]+))'
+)
 # Comment markers and indentation between the lines a citation runs over.
 LINE_BREAK = re.compile(r"\s*\n\s*(?:#\s*)?")
-
-
 # A paragraph's bold lead-in names a section too: **Behind SGLang's router.**
 LEAD_IN = re.compile(r"^\*\*([^*]+?)\.\*\*", re.M)
+# The front page is read in one sitting (docs/design/README.md).
+FRONT_PAGE_LINES = 150
 
 
-def headings() -> list[str]:
-    """The design's headings and its paragraphs' bold lead-ins."""
-    text = DESIGN.read_text()
+def headings(name: str) -> list[str]:
+    """One design file's headings and its paragraphs' bold lead-ins."""
+    text = (DESIGN / name).read_text()
     titled = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
     return titled + LEAD_IN.findall(text)
 
 
-def citations() -> list[tuple[str, str]]:
-    """(file, cited section) for every citation in the tree's Python and YAML files."""
+def citations() -> list[tuple[str, str, str]]:
+    """(file, design file, cited section) for every citation in the tree's Python, YAML
+    and shell files."""
     found = []
     for folder in SOURCES:
         for path in sorted((REPO / folder).rglob("*")):
@@ -39,29 +43,51 @@ def citations() -> list[tuple[str, str]]:
             text = LINE_BREAK.sub(" ", path.read_text(errors="replace"))
             for match in CITATION.finditer(text):
                 cited = match["quoted"] or match["bare"].split(".")[0].split(";")[0]
-                found.append((str(path.relative_to(REPO)), cited.strip()))
+                found.append((str(path.relative_to(REPO)), match["file"], cited.strip()))
     return found
 
 
-def test_every_cited_section_of_the_design_exists() -> None:
-    names = headings()
+def test_every_cited_section_of_the_design_exists_in_the_file_cited() -> None:
     cites = citations()
     assert len(cites) > 50, "the citation pattern finds the code's citations"
+    files = {p.name for p in DESIGN.glob("*.md")}
     missing = [
-        (where, cited)
-        for where, cited in cites
-        if not any(cited == name or cited.startswith(name) for name in names)
+        (where, name, cited)
+        for where, name, cited in cites
+        if name not in files or not any(cited == h or cited.startswith(h) for h in headings(name))
     ]
-    assert missing == [], f"cited, not a section of docs/design.md: {missing}"
+    assert missing == [], f"cited, not a section of that design file: {missing}"
+
+
+def test_no_citation_names_the_old_single_file() -> None:
+    old = "docs/" + "design.md"
+    naming = [
+        str(path.relative_to(REPO))
+        for folder in (*SOURCES, "docs")
+        for path in (REPO / folder).rglob("*")
+        if path.is_file()
+        and path.suffix in (".py", ".md", ".yml", ".yaml", ".sh")
+        and ".venv" not in path.parts
+        and old in path.read_text(errors="replace")
+    ]
+    assert naming == []
+
+
+def test_the_front_page_is_short_and_lists_every_design_file() -> None:
+    front = (DESIGN / "README.md").read_text()
+    assert len(front.splitlines()) <= FRONT_PAGE_LINES
+    listed = set(re.findall(r"^\| ([\w-]+\.md) \|", front, re.M))
+    assert listed == {p.name for p in DESIGN.glob("*.md")} - {"README.md"}
 
 
 LAYOUT_ROW = re.compile(r"^\| `([a-z_/]+/)` \| (.*) \|$", re.MULTILINE)
 
 
 def test_the_layout_table_names_every_module_and_only_modules_that_exist() -> None:
-    """docs/design.md's Layout table has a row per top-level folder; each names every
-    module under its folder (as `name.py`), and every `name.py` it names is there."""
-    rows = dict(LAYOUT_ROW.findall((REPO / "docs" / "design.md").read_text()))
+    """The design's Layout table (docs/design/README.md) has a row per top-level folder;
+    each names every module under its folder (as `name.py`), and every `name.py` it names
+    is there."""
+    rows = dict(LAYOUT_ROW.findall((DESIGN / "README.md").read_text()))
     assert set(rows) == {
         "producer/",
         "consumers/generate/",

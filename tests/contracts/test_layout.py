@@ -1,4 +1,4 @@
-"""The layout shows the flow (docs/design.md, Layout): the producer and what the stages
+"""The layout shows the flow (docs/design/README.md, Layout): the producer and what the stages
 share never reach into a consumer."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ FOLDERS = {"regen": "regen", "regen.common": "common", "regen.producer": "produc
 
 def test_the_package_tree_has_no_links() -> None:
     """The folders are real and each file is in one place: pyproject.toml maps common/,
-    producer/ and consumers/ into the `regen` namespace (docs/design.md, Layout), so import
+    producer/ and consumers/ into the `regen` namespace (docs/design/README.md, Layout), so import
     graphs, linters and mypy see every file where it lives."""
     links = [
         str(path.relative_to(REPO))
@@ -58,7 +58,7 @@ def test_pyproject_lists_every_package_folder() -> None:
     assert sorted(setuptools["packages"]) == sorted(folders)
 
 
-# What each folder may import of regen (docs/design.md, Layout): arrows run from the
+# What each folder may import of regen (docs/design/README.md, Layout): arrows run from the
 # operator commands to the stages, from the stages to common/, and never back.
 MAY_IMPORT = {
     "common": ("regen.common",),
@@ -124,7 +124,7 @@ def python_files(*folders: str) -> list[Path]:
 
 
 def test_code_outside_chunk_life_uses_its_public_face() -> None:
-    """A chunk's life is one package (docs/design.md, A chunk's states): the rest of the
+    """A chunk's life is one package (docs/design/delivery.md, A chunk's states): the rest of the
     code imports its `__init__`, never one of its modules."""
     inside = REPO / "consumers" / "generate" / "chunk_life"
     reaching = {}
@@ -223,7 +223,7 @@ TEST_FOLDERS = {"producer", "generate", "tokenize", "common", "ops", "contracts"
 
 
 def test_every_test_lives_in_the_folder_of_what_it_tests() -> None:
-    """Tests are grouped by what they test (docs/design.md, Layout), and what they share
+    """Tests are grouped by what they test (docs/design/README.md, Layout), and what they share
     is in tests/support/: no test module at the top of tests/, none in support/."""
     tests = REPO / "tests"
     loose = sorted(

@@ -103,7 +103,7 @@ def two_servers_behind_a_router(
 
 
 # --- what regen makes of the router's own errors -------------------------------------------
-# Bodies as sglang-router 0.3.2 sends them (docs/design.md, "Behind SGLang's router").
+# Bodies as sglang-router 0.3.2 sends them (docs/design/sglang.md, "Behind SGLang's router").
 UPSTREAM_500 = (
     b'{"error":{"type":"Internal Server Error","code":"call_upstream_request_error",'
     b'"message":"error sending request for url (http://w1:30000/generate)."}}'

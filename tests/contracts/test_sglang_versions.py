@@ -1,4 +1,4 @@
-"""Real SGLang versions and launch flags (docs/design.md, "SGLang contract"): 0.5.6's
+"""Real SGLang versions and launch flags (docs/design/sglang.md, "SGLang contract"): 0.5.6's
 retraction gauge, a server without `--enable-metrics`, and one started with
 `--skip-tokenizer-init`, each against replies shaped as those versions shape them (the
 stand-in's `retraction_metric`, `no_metrics` and `skip_tokenizer_init` options)."""

@@ -1,5 +1,5 @@
 """A generate worker's drain and a job's pause (consumers/generate/drain.py,
-common/job_pause.py; docs/design.md, "Drain and pause"): a SIGTERM moves every running
+common/job_pause.py; docs/design/placement.md, "Drain and pause"): a SIGTERM moves every running
 answer back to the queue with its tokens so far and the worker exits in seconds; a
 second signal exits at once; `regen pause --now` frees a job's servers within seconds
 and `regen resume` finishes it. Real workers, Redis and stand-ins: at the end every

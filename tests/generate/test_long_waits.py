@@ -1,4 +1,4 @@
-"""Waiting is not failing (docs/design.md, "Timers at real lengths"): a prompt waits for
+"""Waiting is not failing (docs/design/limits.md, "Timers at real lengths"): a prompt waits for
 a busy engine however long, a chunk is given back only when no server is healthy, and a
 request's read timeout grows with the tokens it asks for at the speed its server shows.
 """

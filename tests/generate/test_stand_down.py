@@ -1,5 +1,6 @@
 """A worker on a slow server leaves a job's last prompts to faster servers
-(consumers/generate/placement/stand_down.py; docs/design.md, "Faster servers take the end")."""
+(consumers/generate/placement/stand_down.py; docs/design/placement.md, "Faster servers
+take the end")."""
 
 from __future__ import annotations
 

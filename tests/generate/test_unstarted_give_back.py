@@ -1,5 +1,5 @@
 """A delivery gives back the prompts its worker cannot start soon, as new chunks on the
-queue, under its lease (consumers/generate/chunk_life/unstarted.py; docs/design.md,
+queue, under its lease (consumers/generate/chunk_life/unstarted.py; docs/design/placement.md,
 "Only what can start soon")."""
 
 from __future__ import annotations

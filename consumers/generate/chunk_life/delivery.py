@@ -11,7 +11,7 @@ result off or dead-letters it under the lease (handoff.py). It ends in exactly o
   Redis outage (nothing can be recorded: its lease runs out and it comes back);
 - DROPPED: another delivery holds the chunk (LeaseLost); this one writes nothing more.
 The end is announced to the worker's hooks (hooks.py), and the Celery task maps it to
-an action on the message (tasks.py). docs/design.md, Delivery protocol.
+an action on the message (tasks.py). docs/design/delivery.md, Delivery protocol.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every write goes through the delivery's `ChunkLease` (lease.py), whose check run
 the same transaction or script as the write: a delivery that lost its chunk (frozen
 past its lease, or its writes lost to a Redis rollback) writes nothing, and a Redis
 outage is waited out for up to one lease. The acknowledgement is the lease's too
-(`ChunkLease.finish`), so nothing a chunk writes bypasses the check (docs/design.md,
+(`ChunkLease.finish`), so nothing a chunk writes bypasses the check (docs/design/delivery.md,
 Delivery protocol).
 """
 

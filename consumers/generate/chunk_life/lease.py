@@ -21,7 +21,7 @@ give-back sets its score to 0 so the next sweep restores it, and a lost lease to
 nothing (the delivery belongs to whoever holds it now). Celery then only updates its
 local count of held messages (celery_delivery.py). The keys and scripts each write
 touches are state.py's; the book of leases a worker holds and renews is lease_book.py's. See
-docs/design.md, Delivery protocol.
+docs/design/delivery.md, Delivery protocol.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class ChunkLease:
     ) -> None:
         """Put prompts this delivery has not started back on the queue as `new_chunks`,
         marking them settled for this chunk, in one script that checks the lease as
-        `write` does (docs/design.md, "Only what can start soon"). Raises LeaseLost when
+        `write` does (docs/design/placement.md, "Only what can start soon"). Raises LeaseLost when
         this delivery no longer holds the chunk (nothing written); a Redis outage is
         waited out as `write` does."""
         lua_keys = [self.attempts_key, keys.KOMBU_UNACKED_INDEX, self.writes_key,
@@ -344,7 +344,7 @@ class ChunkLease:
         message and its record in `unacked` has the chunk neither queued nor delivered:
         restored, it holds it nowhere, and this delivery's lease is lost (its attempt is
         not in the copy), so without this its prompts would be in no place for good.
-        This worker still has the message as popped (docs/design.md, Delivery protocol).
+        This worker still has the message as popped (docs/design/delivery.md, Delivery protocol).
         """
         popped = self._book.popped_message(self.tag)
         if popped is None:

@@ -1,5 +1,5 @@
 """How long a chunk is held and how often its work is tried: the timers and retry policy
-of a chunk's life, each written here once (docs/design.md, Delivery protocol and
+of a chunk's life, each written here once (docs/design/delivery.md, Delivery protocol and
 "Timers at real lengths").
 
 - The lease: a delivery is restored to its queue one visibility timeout after its last
@@ -44,7 +44,7 @@ def lease_s() -> float:
 # A chunk whose engine has had no healthy server for this long in a row is given back
 # to the queue (results already handed off stay done), so a worker with a live server
 # takes it. Busy servers never count: a prompt waits for a slot however long answers
-# run, and the heartbeat renews the chunk's lease meanwhile (docs/design.md, "Timers at
+# run, and the heartbeat renews the chunk's lease meanwhile (docs/design/limits.md, "Timers at
 # real lengths").
 GIVE_BACK_AFTER_S = 0.75 * settings.current().visibility_timeout_s
 # Waits between tries of an engine that failed a request while a server is healthy

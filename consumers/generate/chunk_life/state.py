@@ -1,6 +1,6 @@
 """A chunk's state in Redis, and the only code that writes it.
 
-Per chunk of a job (docs/design.md, Redis keys and Delivery protocol):
+Per chunk of a job (docs/design/exactly-once.md, Redis keys and Delivery protocol):
 
 - its attempts list (`keys.chunk_attempts`): one entry per delivery that started, each
   "started" until the delivery ends it (outcome.AttemptStatus); a delivery holds the
@@ -88,7 +88,7 @@ return lost
 # only wait out their TTL. If the
 # sweep restored the delivery after the lease check (its tag is gone from the index),
 # the chunk is queued again and the set stays for its next delivery. The attempts list
-# (one entry per delivery) stays for its TTL: the chunk's history (docs/design.md,
+# (one entry per delivery) stays for its TTL: the chunk's history (docs/design/delivery.md,
 # Delivery protocol).
 ACK_LUA = """
 local acked = redis.call('ZREM', KEYS[1], ARGV[1])

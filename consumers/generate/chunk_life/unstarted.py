@@ -8,7 +8,7 @@ what its worker can start soon (chunk_context.py's `reserve`, flow_control.py's 
 gives the rest back to the queue as new chunks of at most GIVEN_BACK_CHUNK_SIZE
 prompts, in one lease-checked script that also marks them settled for this chunk
 (state.py): every prompt is then open in exactly one chunk, and a redelivery of this
-one skips them (docs/design.md, "Only what can start soon").
+one skips them (docs/design/placement.md, "Only what can start soon").
 
 Only prompts that were never sent to an engine move, so no GPU time is thrown away.
 A chunk of conversations (`--turns all`) keeps every prompt: a conversation's progress

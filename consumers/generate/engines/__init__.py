@@ -36,7 +36,7 @@ class EngineOptions:
     # More `sglang.Engine` arguments (SGLang's ServerArgs fields), engine "sglang-engine".
     sglang_args: dict[str, Any] = field(default_factory=dict)
     # SGLang's --api-key and --admin-api-key (engine "sglang"): the admin key is what
-    # /abort_request takes where a server has one (docs/design.md, "What may move").
+    # /abort_request takes where a server has one (docs/design/placement.md, "What may move").
     sglang_api_key: str | None = field(default=None, repr=False)
     sglang_admin_api_key: str | None = field(default=None, repr=False)
 

@@ -1,5 +1,5 @@
 """`--max-inflight auto`: how many requests to keep in flight on one SGLang server, steered
-by the server's own Prometheus metrics (docs/design.md, "SGLang contract" and "Reasons
+by the server's own Prometheus metrics (docs/design/sglang.md, "SGLang contract" and "Reasons
 behind the choices").
 
 Pure logic: `parse_metrics` reads `/metrics` text, `AdmissionController.observe` turns one
@@ -32,7 +32,7 @@ from regen.common import defaults
 # carry `_total`. With data parallelism a server reports one series per rank: counts add
 # up, token usage is the fullest rank's.
 #
-# Retractions come two ways (docs/design.md, "SGLang contract"): 0.5.23 counts them in
+# Retractions come two ways (docs/design/sglang.md, "SGLang contract"): 0.5.23 counts them in
 # the counter RETRACTED_TOTAL (its increase between readings is what happened); 0.5.6
 # has only the gauge RETRACTED_LATELY, the requests its last retracting pass retracted,
 # published at each decode-stats log (every 40 decode passes) and zeroed at the next log

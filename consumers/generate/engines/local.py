@@ -2,7 +2,7 @@
 
 Requests that arrive together are gathered into batches and run with `model.generate` in
 one worker thread (torch is not asyncio friendly); each caller awaits its own future.
-Results keep SGLang's contract (docs/design.md, SGLang contract):
+Results keep SGLang's contract (docs/design/sglang.md, SGLang contract):
 
 - `prompt_ids` are used exactly as given; nothing is re-tokenized.
 - `output_ids` include the stop token that ended generation, finish_reason is

@@ -4,12 +4,12 @@ worker's flow control may count on being started soon (flow_control.py).
 An in-flight limit (`--max-inflight auto` starts at 256 and sheds only as requests
 drain) can be far above a server's running slots; requests beyond them wait in the
 server's queue, and at real answer lengths they wait minutes that a faster server could
-have used (docs/design.md, "Timers at real lengths"). So while a server has a queue,
+have used (docs/design/limits.md, "Timers at real lengths"). So while a server has a queue,
 what it runs is its slots (or what its KV cache fits): the most it ran lately with a
 queue. Before it was ever seen with a queue, it is trusted for GROWTH times the most it
 was seen running, at least START: a slow start that finds the slots within a few polls
 and overshoots them by at most half. Once a queue showed them, a worker sends no more
-than the slots (docs/design.md, "Only what can start soon"), so the queue goes and its
+than the slots (docs/design/placement.md, "Only what can start soon"), so the queue goes and its
 readings age out; then the server is probed only PROBE over what it runs or ran with a
 queue, not half as many again, each time the window empties. Before the first reading
 of a server whose /metrics will be read (`--max-inflight auto`), it is trusted for START

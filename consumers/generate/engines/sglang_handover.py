@@ -4,7 +4,7 @@ SGLang answers an aborted request's own `/generate` call with what it has decode
 (`finish_reason.type == "abort"`, the partial `output_ids`), as it does for the requests
 it retracts under memory pressure and later prefills anew with their output; RL
 frameworks continue partial rollouts the same way. So a worker can stop an answer on a
-slow server and continue it on a faster one, throwing nothing away (docs/design.md, "A
+slow server and continue it on a faster one, throwing nothing away (docs/design/placement.md, "A
 slow server's last answers move").
 
 The requests this worker runs are known by the prompt's rid (GenerateRequest.rid); each

@@ -58,7 +58,7 @@ MAX_BAD_ANSWERS = 5
 # A request's read timeout covers this many times the time its max_new_tokens take at
 # the server's measured per-request speed (queue wait included), and never less than
 # request_timeout_s: a timeout marks the server down and aborts the answer, so it must
-# only catch a wedged server (docs/design.md, "Timers at real lengths").
+# only catch a wedged server (docs/design/limits.md, "Timers at real lengths").
 READ_TIMEOUT_MARGIN = 4.0
 
 
@@ -99,7 +99,7 @@ class SGLangHTTPEngine:
 
         `give_up_after_s`: how long one generate() may go with no healthy server before
         raising EngineDown, when the caller passes no `outage_s`. None (the default)
-        waits for ever: an outage is not the prompt's fault (docs/design.md, "A dead
+        waits for ever: an outage is not the prompt's fault (docs/design/delivery.md, "A dead
         server is not a bad prompt"). Busy servers are waited out in either case.
 
         `request_timeout_s`: the least read timeout of one attempt; a request that asks
@@ -352,7 +352,7 @@ class SGLangHTTPEngine:
     async def read_metrics(self, server: ServerState) -> tuple[int, bytes]:
         """The server's /metrics; for SGLang's router, its servers' together.
 
-        The router serves no `sglang:*` metrics of its own (docs/design.md, "Behind
+        The router serves no `sglang:*` metrics of its own (docs/design/sglang.md, "Behind
         SGLang's router"), so on a 404 its worker list is asked for, and each listed
         server's /metrics is read: their text put together sums running and queued
         requests and throughput over the servers, and keeps the highest token usage

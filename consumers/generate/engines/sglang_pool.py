@@ -10,14 +10,14 @@ and a restarted server is back within one probe.
 Waiting is not failing: while any server is healthy a request waits for a slot however
 long they all stay full (at real answer lengths a full server is the normal case); only
 when none has been healthy for the caller's `outage_s` in a row does `acquire` give up
-(docs/design.md, "Timers at real lengths"). A later turn of a conversation waits at the
+(docs/design/limits.md, "Timers at real lengths"). A later turn of a conversation waits at the
 front, so conversations already started finish first.
 
 A request with an affinity key (a conversation's turns) goes to the server that served
 that key last, when that server is routable, because its radix cache still holds the
 prefix; when it is not (down, backing off, full) the request goes to the least loaded
 one instead and the key follows it. Affinity never makes a request wait for a server
-(docs/design.md, "Turns"). The pool remembers a bounded number of keys, the least
+(docs/design/delivery.md, "Turns"). The pool remembers a bounded number of keys, the least
 recently used forgotten first, so memory stays flat over a long job.
 """
 

@@ -49,7 +49,7 @@ GATEWAY_STATUSES = frozenset({502, 504})
 # say it got no answer from any worker (a dead one, or none registered or healthy): the
 # router is a gateway with nothing behind it, not a server that answered badly. Its
 # "call_upstream_status_error" carries a worker's own status and is classified by it
-# (docs/design.md, "Behind SGLang's router").
+# (docs/design/sglang.md, "Behind SGLang's router").
 ROUTER_UPSTREAM_CODE_PREFIX = "call_upstream_"
 ROUTER_WORKER_STATUS_CODE = "call_upstream_status_error"
 ROUTER_NO_WORKER_CODE = "no_available_workers"

@@ -1,6 +1,6 @@
 """The SGLang servers behind SGLang's router (sglang-router), from its worker list.
 
-regen sends generations to a router as to one server (docs/design.md, "Behind SGLang's
+regen sends generations to a router as to one server (docs/design/sglang.md, "Behind SGLang's
 router"); what must reach each server on its own, such as its /metrics, asks the router
 which servers it routes to.
 """

@@ -13,6 +13,6 @@ back to the queue for a peer to start sooner, or moved mid-answer to a faster se
   from how fast this server decodes.
 
 The writes these decide go through the chunk's lease (chunk_life/: `give_back_unstarted`,
-the hand-off). docs/design.md, "Only what can start soon", "Faster servers take the
+the hand-off). docs/design/placement.md, "Only what can start soon", "Faster servers take the
 end" and "A slow server's last answers move".
 """

@@ -3,7 +3,7 @@ no prompt more than it can start soon.
 
 A prompt a worker holds but cannot start waits in the worker, not on the queue, where
 another worker with a free slot (a faster server) could have taken it; at real answer
-lengths such a prompt waits minutes (docs/design.md, "Timers at real lengths"). So a
+lengths such a prompt waits minutes (docs/design/limits.md, "Timers at real lengths"). So a
 worker takes a new chunk only while its outstanding prompts (submitted, not finished)
 are fewer than its engine's capacity (the in-flight limits of its healthy servers) plus
 a small slack: the prompts its slots finish within REFILL_S at the rate it measures,

@@ -1,5 +1,5 @@
 """The prompts of one delivery, started as its worker's slots allow, the rest held back
-and given to the queue when another worker can start them sooner (docs/design.md,
+and given to the queue when another worker can start them sooner (docs/design/placement.md,
 "Only what can start soon").
 
 A delivery starts what its engine's free slots take (`ChunkContext.reserve`), and the
@@ -10,10 +10,10 @@ and those beyond the worker's own slack also for a peer's missing slack. With no
 short of prompts (one server, or a busy fleet) nothing moves. At a job's end, a worker
 that leaves the job's last prompts to faster servers (stand_down.py) starts none of them
 and gives back all it holds; and as faster peers fall idle, it hands its running answers
-over to them, each with its answer so far, which they continue (docs/design.md, "A slow
+over to them, each with its answer so far, which they continue (docs/design/placement.md, "A slow
 server's last answers move"; resume.py). When the worker drains, or the job is paused, a
 delivery starts nothing more and gives back what it holds; with the drain or `regen pause
---now`, every running answer moves back to the queue too (docs/design.md, "Drain and
+--now`, every running answer moves back to the queue too (docs/design/placement.md, "Drain and
 pause").
 """
 
@@ -287,7 +287,7 @@ class HeldPrompts:
 
     def _why_answers_stay(self, end_token_ids: list[int]) -> str | None:
         """Why this delivery's running answers may not move to another server, or None
-        (docs/design.md, "What may move"): a continuation must draw what one server
+        (docs/design/placement.md, "What may move"): a continuation must draw what one server
         would have, and must know where an answer ends."""
         if not end_token_ids and not self._sampling.get("ignore_eos"):
             return ("its spec does not say which tokens end an answer (made by an older "

@@ -2,7 +2,7 @@
 slots, read from their heartbeats (`regen:workers`).
 
 A worker holding prompts it has not started gives them back only when another worker
-could start them sooner (docs/design.md, "Only what can start soon"): with no such
+could start them sooner (docs/design/placement.md, "Only what can start soon"): with no such
 peer, a give-back would only put the prompts back for the same worker to take again,
 a Redis script and a message rewrite per prompt for nothing (the one-server case).
 A worker beats at once (at most once a second) when its slots fall idle with nothing

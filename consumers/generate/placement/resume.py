@@ -1,4 +1,4 @@
-"""Continuing an answer another server began (docs/design.md, "A slow server's last
+"""Continuing an answer another server began (docs/design/placement.md, "A slow server's last
 answers move").
 
 A prompt handed over from a slower server carries the answer so far (ChunkPrompt's
@@ -8,7 +8,7 @@ answer to the prompt, as if one server had decoded it. Sampling from the same mo
 the same prefix draws the continuation from the same distribution, as long as nothing in
 the sampling depends on the tokens already decoded (`why_not_movable`).
 
-An abort can land on the step that decodes an answer's end (docs/design.md, "Where an
+An abort can land on the step that decodes an answer's end (docs/design/sglang.md, "Where an
 answer ends"): such an answer had ended, and is settled here as a completion
 (`settled`), never continued.
 """

@@ -1,4 +1,4 @@
-"""Leaving a job's last prompts to faster servers (docs/design.md, "Faster servers take
+"""Leaving a job's last prompts to faster servers (docs/design/placement.md, "Faster servers take
 the end").
 
 A prompt started on a slow server near a job's end holds the job's end: at 80 ms per

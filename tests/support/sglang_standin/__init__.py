@@ -1,4 +1,4 @@
-"""A small SGLang server stand-in for tests and benchmarks (docs/design.md, SGLang contract).
+"""A small SGLang server stand-in for tests and benchmarks (docs/design/sglang.md, SGLang contract).
 
 It keeps SGLang 0.5's HTTP contract (`/generate` with `input_ids`, `/health`,
 `/health_generate`, `/model_info`, `/server_info` and their `/get_` names, `/metrics`,

@@ -3,7 +3,7 @@ one core: the same slots, answers and slot log as `/generate`.
 
 What SGLang 0.5 does, and so this does: the chat template renders the messages with the
 generation prompt and the request's `chat_template_kwargs`, and the text is encoded
-without special tokens added (docs/design.md, "SGLang contract"); `max_tokens` (or
+without special tokens added (docs/design/sglang.md, "SGLang contract"); `max_tokens` (or
 `max_completion_tokens`) becomes `max_new_tokens`, and when neither is given the
 scheduler caps the answer at the context length less the prompt less one. The reply is
 a `chat.completion` whose choice carries `finish_reason` ("stop"/"length") and

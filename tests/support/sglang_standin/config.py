@@ -21,7 +21,7 @@ from tests.support.sglang_standin.versions import Release
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAULT_KINDS = ("500", "503", "drop", "delay", "malformed")
 # Which retraction metrics /metrics serves: SGLang 0.5.23 has the counter (and the
-# gauge), 0.5.6 only the gauge (docs/design.md, "SGLang contract").
+# gauge), 0.5.6 only the gauge (docs/design/sglang.md, "SGLang contract").
 RETRACTION_METRICS = ("both", "counter", "gauge")
 
 
