@@ -106,3 +106,20 @@ def test_the_layout_table_names_every_module_and_only_modules_that_exist() -> No
             unknown[folder] = sorted(named - modules)
     assert unnamed == {}, "modules the Layout table leaves out"
     assert unknown == {}, "modules the Layout table names that are not in the tree"
+
+
+DECISION_LINES = 10
+
+
+def test_each_decision_is_short() -> None:
+    """A design file's decisions (its `## Decisions`) say what was chosen and why in at
+    most ten lines each; the runs behind them are in bench/README.md."""
+    long = {}
+    for path in sorted(DESIGN.glob("*.md")):
+        _, _, decisions = path.read_text().partition("\n## Decisions\n")
+        for section in re.split(r"(?m)^### ", decisions)[1:]:
+            title, _, body = section.partition("\n")
+            lines = [line for line in body.splitlines() if line.strip()]
+            if len(lines) > DECISION_LINES:
+                long[f"{path.name}: {title}"] = len(lines)
+    assert long == {}
