@@ -17,11 +17,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from regen.common import dlq, jobspec, keys
 from regen.common.metrics import DlqCollector, WorkerMetrics
+from regen.consumers.generate.chunk_life import LeaseBook
 from regen.consumers.tokenize.consumer import TokenizeConsumer, TokenizeOptions
 from regen.consumers.tokenize.job_writer import ShardPolicy
 from regen.consumers.tokenize.metrics import tokenize_metrics
 from regen.producer.spec import JobOptions, prepare_job
-from tests.support.generate_harness import REPO, Worker, all_acked, enqueue_prompts, results
+from tests.support.generate_harness import (
+    REPO,
+    Worker,
+    all_acked,
+    attempts,
+    enqueue_prompts,
+    results,
+)
 from tests.support.helpers import committed_count, make_result, wait_for
 from tests.support.sglang_standin.process import free_port, run_standin
 
@@ -210,3 +218,38 @@ def test_generate_metrics_match_the_results_stream(
     assert value(samples, "regen_sglang_server_requests_completed_total", server=server.url) == len(
         prompts
     )
+
+
+@pytest.mark.slow
+def test_a_delivery_whose_chunk_another_took_counts_dropped_not_acked(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A delivery that finds its lease lost (another delivery holds the chunk, as after a
+    freeze past the lease) writes nothing more and its task returns normally: counted
+    from Celery's task_postrun, it was `acked`. Its chunk comes back when the lease of
+    the delivery that took it lapses, and runs once to its end."""
+    r = redis.Redis.from_url(redis_url)
+    spec = enqueue_prompts(redis_url, tmp_path, ["Tell me a long story."], chunk_size=1,
+                           max_new_tokens=1200)  # fmt: skip
+    (chunk_id,) = [c.decode() for c in r.hkeys(keys.job_chunks("g"))]
+    port = free_port()
+    with run_standin(decode_tokens_per_s=50, output_len_dist="fixed:n=1000") as server, Worker(
+        redis_url, tmp_path, "--engine", "sglang", "--server", server.url, "--jobs", "g",
+        "--metrics-port", str(port),
+    ):  # fmt: skip
+        wait_for(lambda: r.llen(keys.chunk_attempts("g", chunk_id)) == 1, timeout=60,
+                 what="the delivery started")  # fmt: skip
+        (tag,) = [t.decode() for t in r.hkeys(keys.KOMBU_UNACKED)]
+        # A second delivery of the same message takes the chunk and never renews it.
+        LeaseBook(r).start("g", chunk_id, tag, "a worker frozen since")
+
+        def dropped() -> float | None:
+            return value(try_scrape(port) or {}, "regen_generate_chunks_total", outcome="dropped")
+
+        wait_for(lambda: dropped() == 1, timeout=60, what="the drop counted")
+        wait_for(lambda: all_acked(r, spec) and len(results(r, "g")) == 1, timeout=120,
+                 what="the chunk run again to its end")  # fmt: skip
+        samples = scrape(port)
+    assert value(samples, "regen_generate_chunks_total", outcome="dropped") == 1
+    assert value(samples, "regen_generate_chunks_total", outcome="acked") == 1
+    assert [a["status"] for a in attempts(r, "g", chunk_id)][:2] == ["lost", "started"]
