@@ -1,5 +1,5 @@
 """A generate worker stopped mid-answer at real lengths: how long until it exits, and how
-much decode is thrown away? (not a test; a measurement, docs/design/README.md "Drain and
+much decode is thrown away? (not a test; a measurement, docs/design/placement.md, "Drain and
 pause").
 
 One SGLang stand-in at a real time scale (32 running slots, 20 ms per token per request)

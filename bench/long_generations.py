@@ -1,5 +1,5 @@
 """Real answer lengths: does a busy server stay busy, and is nothing thrown away? (not a
-test; a measurement, docs/design/README.md "Timers at real lengths").
+test; a measurement, docs/design/limits.md, "Timers at real lengths").
 
 Runs the SGLang stand-in at a real time scale (32 running slots per server, 20 ms per
 token per request, answers averaging 2,000 tokens with a lognormal long tail, so ~40 s

@@ -1,5 +1,5 @@
 """The tail: how much of a job's end does queueing the longest dataset answers first
-remove? (not a test; a measurement, docs/design/README.md "Longest answers first").
+remove? (not a test; a measurement, docs/design/producer.md, "Longest answers first").
 
 A job ends on its last answers: a long one started last runs on with its server's other
 slots idle. Each prompt here carries the dataset's own answer, and the new answer's

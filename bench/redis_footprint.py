@@ -14,7 +14,7 @@ Prints used_memory after minus before divided by N, and the bytes of each key fa
     python bench/redis_footprint.py [--prompts 1000000] [--chunk-size 64] [--held N]
 
 `--held 34` gives back what a worker with 32 free slots (and its slack) cannot start
-of every 64-prompt chunk, the worst case of "Only what can start soon" (docs/design/README.md).
+of every 64-prompt chunk, the worst case of "Only what can start soon" (docs/design/placement.md).
 """
 
 from __future__ import annotations

@@ -204,7 +204,8 @@ FOLLOW_POLL_S = 30.0
 # round trip (plus the generate worker's screen, well under a second); 90 s is far above
 # that and above a Redis restart or Sentinel failover (4 s measured), while a worker
 # stopped longer (SIGSTOP, a VM paused) has its chunk queued again: when it wakes, the
-# chunk lease and the commit ledger keep its prompts' answers once (docs/design/README.md).
+# chunk lease and the commit ledger keep its prompts' answers once
+# (docs/design/exactly-once.md, Healing).
 FOLLOW_GRACE_S = 90.0
 # A tokenize worker's lock on a job's recovery expires this long after its last renewal
 # (renewed at a third of it while recovery runs): a worker killed mid-recovery lets

@@ -1,6 +1,7 @@
 """Every section of the design (docs/design/) a comment or docstring cites exists in
 the file it names: the code's reasons point at text a reader can find
-(`docs/design/FILE.md, "Section"` or `docs/design/FILE.md, Section`, a citation running
+(`docs/design/FILE.md, "Section"`, `docs/design/FILE.md "Section"` or
+`docs/design/FILE.md, Section`, a citation running
 on over its comment's next lines). The design's front page stays short."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ DESIGN = REPO / "docs" / "design"
 SOURCES = ("common", "consumers", "producer", "regen", "deploy", "scripts", "bench", "tests")
 # A citation: the file's path, then ", " or ": ", then the section, quoted or not.
 CITATION = re.compile(
-    r'docs/design/(?P<file>[\w.-]+\.md)[,:] ?(?:"(?P<quoted>[^"]+)"|(?P<bare>[^)"]+))'
+    r"docs/design/(?P<file>[\w.-]+\.md)"
+    r'(?:[,:] ?(?:"(?P<quoted>[^"]+)"|(?P<bare>[^)"]+))| "(?P<spaced>[^"]+)")'
 )
 # Comment markers and indentation between the lines a citation runs over.
 LINE_BREAK = re.compile(r"\s*\n\s*(?:#\s*)?")
@@ -42,7 +44,9 @@ def citations() -> list[tuple[str, str, str]]:
                 continue  # its own docstring shows the forms
             text = LINE_BREAK.sub(" ", path.read_text(errors="replace"))
             for match in CITATION.finditer(text):
-                cited = match["quoted"] or match["bare"].split(".")[0].split(";")[0]
+                cited = (
+                    match["quoted"] or match["spaced"] or match["bare"].split(".")[0].split(";")[0]
+                )
                 found.append((str(path.relative_to(REPO)), match["file"], cited.strip()))
     return found
 

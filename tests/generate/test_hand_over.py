@@ -1,4 +1,4 @@
-"""A slow server's last answers move (docs/design/README.md): a worker that left a job's end
+"""A slow server's last answers move (docs/design/placement.md): a worker that left a job's end
 hands its running answers over to faster peers, which continue them; nothing is thrown
 away and each record is one answer, token for token."""
 

@@ -10,7 +10,7 @@ written by lease.py): acknowledged (`finish`), given back to the queue (`give_ba
 failed, or dropped because another delivery holds the chunk (`LeaseLost`, and its
 message put back if Redis holds it nowhere). Its steps and its end are announced to the
 worker's hooks (hooks.py), which metrics and crash points subscribe to. Celery and
-kombu leave alone what regen settled (celery_delivery.py). docs/design/README.md has the
+kombu leave alone what regen settled (celery_delivery.py). docs/design/delivery.md has the
 chunk's state diagram (Delivery protocol, "A chunk's states").
 
 Modules, each with one job:

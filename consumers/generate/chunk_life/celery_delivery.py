@@ -1,6 +1,6 @@
 """Where chunk leases meet Celery and kombu: who acknowledges a delivery, and what a lost
-connection does to the chunks a worker holds (see lease.py and lease_book.py, docs/design/README.md
-Delivery protocol).
+connection does to the chunks a worker holds (see lease.py and lease_book.py,
+docs/design/delivery.md, Delivery protocol).
 """
 
 from __future__ import annotations
