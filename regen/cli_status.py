@@ -59,7 +59,7 @@ def status(
     from rich.live import Live
 
     from regen.ops.status_snapshot import snapshot
-    from regen.status_view import render
+    from regen.ops.status_view import render
 
     r = _client(redis_url, job)
 

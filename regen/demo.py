@@ -28,10 +28,10 @@ from regen.common.embedded_redis import EmbeddedRedis
 from regen.common.ledger.places import count_places
 from regen.demo_report import show_record, show_summary
 from regen.ops.status_snapshot import snapshot
+from regen.ops.status_view import render
 from regen.producer.enqueue import Enqueuer
 from regen.producer.progress import ProgressDisplay, summary
 from regen.producer.spec import JobOptions, PreparedJob, prepare_job, save_job
-from regen.status_view import render
 
 # A live view is redrawn this often; workers are checked for life as often.
 POLL_S = 1.0

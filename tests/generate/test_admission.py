@@ -243,7 +243,7 @@ def test_the_poller_sets_the_pools_limit_and_falls_back_on_404() -> None:
 
 
 def test_status_shows_each_servers_limit_and_why_it_last_moved() -> None:
-    from regen.status_view import _servers
+    from regen.ops.status_view import _servers
 
     server = {"url": "http://a:1", "healthy": True, "probed": True, "inflight": 12,
               "max_inflight": 96, "limit_reason": "back off: queue 40"}  # fmt: skip

@@ -16,7 +16,7 @@ from regen.common.backoff import Backoff
 from regen.consumers.generate.engine import GenerateRequest
 from regen.consumers.generate.engines.sglang_pool import ServerPool, ServerState
 from regen.consumers.generate.engines.sglang_replies import parse_result
-from regen.status_view import workers_table
+from regen.ops.status_view import workers_table
 from tests.support.sglang_standin.prefix_cache import PrefixCache
 
 URLS = ["http://a:30000", "http://b:30000", "http://c:30000"]

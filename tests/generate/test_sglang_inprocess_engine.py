@@ -24,7 +24,7 @@ from regen.consumers.generate.engine_loop import EngineRunner
 from regen.consumers.generate.engines import EngineOptions, make_engine
 from regen.consumers.generate.engines.sglang_inprocess import SGLangInProcessEngine
 from regen.consumers.generate.metrics import GenerateCollector
-from regen.status_view import _servers
+from regen.ops.status_view import _servers
 from tests.support.sglang_standin.completer import Completer, load_tokenizer
 from tests.support.sglang_standin.config import LengthDist
 from tests.support.sglang_standin.offline_engine import CONFIG_ENV

@@ -24,10 +24,10 @@ from regen.consumers.generate.placement.peers import CACHE_S, PeerRoom, PeerView
 from regen.consumers.generate.placement.stand_down import FASTER, StandDown, leave_below
 from regen.ops.reconcile import reconcile
 from regen.ops.status_snapshot import snapshot
+from regen.ops.status_view import job_table
 from regen.producer.enqueue import Enqueuer
 from regen.producer.publishing_mark import RENEW_S, TTL_S, PublishingMark
 from regen.producer.spec import JobOptions, prepare_job
-from regen.status_view import job_table
 from tests.generate.test_unstarted_give_back import deliver, queued_chunks
 from tests.support.generate_harness import (
     Worker,

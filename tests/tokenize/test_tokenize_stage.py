@@ -25,8 +25,8 @@ from regen.consumers.tokenize.consumer import free_bytes
 from regen.consumers.tokenize.shard_files import iter_records, read_manifest, shard_paths
 from regen.ops.shards_inspect import verify
 from regen.ops.status_snapshot import job_status
+from regen.ops.status_view import job_table
 from regen.producer.spec import JobOptions, prepare_job
-from regen.status_view import job_table
 from tests.support.helpers import make_result, wait_for
 from tests.support.tokenize_harness import (
     HEARTBEAT_STALE_S,
