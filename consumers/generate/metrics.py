@@ -150,6 +150,15 @@ def _affinity_metrics(affinity: dict[str, int] | None) -> Iterator[Metric]:
     yield requests
 
 
+# A failed delivery goes back to the queue as a returned one does (tasks.py).
+_LABELS = {
+    DeliveryEnd.ACKED: "acked",
+    DeliveryEnd.RETURNED: "returned",
+    DeliveryEnd.FAILED: "returned",
+    DeliveryEnd.DROPPED: "dropped",
+}
+
+
 class ChunkOutcomes:
     """Counts how this worker's deliveries ended (the delivery's AFTER_END hook)."""
 
@@ -174,15 +183,6 @@ class ChunkOutcomes:
     def on_end(self, delivery: Delivery, **_: object) -> None:
         self.chunks.labels(_LABELS[delivery.end]).inc()
         self.dead_lettered.inc(delivery.dead_lettered)
-
-
-# A failed delivery goes back to the queue as a returned one does (tasks.py).
-_LABELS = {
-    DeliveryEnd.ACKED: "acked",
-    DeliveryEnd.RETURNED: "returned",
-    DeliveryEnd.FAILED: "returned",
-    DeliveryEnd.DROPPED: "dropped",
-}
 
 
 def generate_metrics(

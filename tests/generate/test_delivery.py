@@ -155,3 +155,27 @@ def test_a_crash_point_is_a_subscriber_of_its_step(
     delivery = deliver(ctx, CHUNK, TAG, Work(settle_both))
     assert delivery.end is DeliveryEnd.ACKED
     assert hits == ["generate.before_ack"]
+
+
+def test_an_error_outside_the_work_fails_the_delivery_rather_than_escaping_it(
+    r: redis.Redis, ctx: ChunkContext
+) -> None:
+    """The dead letters of a chunk past its attempts failing (here: a bug in them) end
+    the delivery failed, as an error of the work does, so the task gives the chunk back;
+    an exception out of the task would let Celery ack a failed task."""
+    died = orjson.dumps({"worker": "w", "time": 0.0, "status": "started"})
+    r.rpush(keys.chunk_attempts("j", "c1"), *[died] * ctx.max_attempts)
+    outcomes = counted(ctx)
+
+    class BrokenDeadLetters(Work):
+        def dead_letter_all(
+            self, lease: ChunkLease, todo: list[ChunkPrompt], done: set[str],
+            history: list[Attempt],
+        ) -> int:  # fmt: skip
+            raise RuntimeError("dead letters bug")
+
+    delivery = deliver(ctx, CHUNK, TAG, BrokenDeadLetters(settle_both))
+    assert delivery.end is DeliveryEnd.FAILED and "dead letters bug" in delivery.reason
+    assert isinstance(delivery.error, RuntimeError)
+    assert label_counts(outcomes)["returned"] == 1
+    assert ctx.chunks_held == 0 and ctx.leases.held == 0

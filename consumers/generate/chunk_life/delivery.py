@@ -7,8 +7,9 @@ result off or dead-letters it under the lease (handoff.py). It ends in exactly o
 (outcome.py), recorded in the chunk's attempts list by the lease (lease.py):
 - ACKED: every prompt settled; the lease's `finish` acknowledges it;
 - RETURNED: the work gave the chunk back (ChunkDeferred), not the chunk's fault;
-- FAILED: an unexpected error (the attempt marked failed, which the cap counts) or a
-  Redis outage (nothing can be recorded: its lease runs out and it comes back);
+- FAILED: an unexpected error of the work (the attempt marked failed, which the cap
+  counts), a Redis outage (nothing can be recorded: its lease runs out and it comes
+  back), or any other error the delivery could not settle (the task gives it back);
 - DROPPED: another delivery holds the chunk (LeaseLost); this one writes nothing more.
 The end is announced to the worker's hooks (hooks.py), and the Celery task maps it to
 an action on the message (tasks.py). docs/design/delivery.md, Delivery protocol.
@@ -54,6 +55,11 @@ def deliver(ctx: ChunkContext, chunk: Chunk, tag: str | None, work: ChunkWork) -
         delivery = _under_lease(ctx, chunk, tag, work)
     except OUTAGE_ERRORS as exc:  # the lease could not be taken, or its end not written
         delivery = Delivery(DeliveryEnd.FAILED, reason=f"Redis out of reach: {exc!r}", error=exc)
+    except Exception as exc:
+        # Anything else the delivery could not settle (the dead letters of a chunk past
+        # its attempts, the lease's own writes): a failure, so that the task gives the
+        # chunk back rather than let Celery ack a failed task.
+        delivery = Delivery(DeliveryEnd.FAILED, reason=repr(exc), error=exc)
     finally:
         ctx.count_chunks(-1)
     ctx.hooks.emit(DeliveryEvent.AFTER_END, chunk=chunk, delivery=delivery)
